@@ -1,0 +1,33 @@
+"""remat: automatic activation-checkpoint planning for PyTorch training.
+
+fast = remat.optimize(model, example_inputs, activation_budget_bytes=...)
+loss_fn(fast(*batch)).backward()   # same gradients as model, the plan's memory peak
+print(fast.plan.summary())
+"""
+
+from remat._torch_compat import fake_mode
+from remat.api import optimize
+from remat.graph.capture import CaptureError
+from remat.graph.profiles import DeviceProfile
+from remat.meter import LiveMemoryMeter, measure_step
+from remat.pipeline import Analysis, BudgetError, analyze
+from remat.problem import Problem
+from remat.rewrite.module import RematModule
+from remat.solver.plan import Plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Analysis",
+    "BudgetError",
+    "CaptureError",
+    "DeviceProfile",
+    "LiveMemoryMeter",
+    "Plan",
+    "Problem",
+    "RematModule",
+    "analyze",
+    "fake_mode",
+    "measure_step",
+    "optimize",
+]

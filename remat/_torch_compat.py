@@ -1,0 +1,84 @@
+"""Every private PyTorch API remat touches, in one place.
+
+remat leans on AOTAutograd internals (the joint graph with descriptors), FX's boxed code
+generator, FakeTensor and storage identity. They are private and move between releases, so a
+torch upgrade should only ever have to touch this file. Tested against torch 2.13.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._functorch._aot_autograd.descriptors import (
+    BufferAOTInput,
+    GradAOTOutput,
+    InputMutationAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.graph import _BoxedCodeGen
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+__all__ = [
+    "BufferAOTInput",
+    "FakeTensor",
+    "FakeTensorMode",
+    "GradAOTOutput",
+    "InputMutationAOTOutput",
+    "ParamAOTInput",
+    "PlainAOTInput",
+    "PlainAOTOutput",
+    "TangentAOTInput",
+    "boxed_codegen",
+    "export_joint",
+    "flop_registry",
+    "is_fake",
+    "sdpa_backward_flop_count",
+    "sdpa_flop_count",
+    "storage_key",
+]
+
+
+def export_joint(module: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+    """AOTAutograd's joint forward+backward graph of ``module(*args)``.
+
+    Placeholders and the output node carry ``meta["desc"]`` descriptors (param, buffer, user
+    input, tangent; user output, input mutation, gradient). The exit stack is closed before
+    returning: we only keep the graph and its FakeTensor metadata, never AOT's runtime.
+    """
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, module, args)
+        return joint.graph_module
+
+
+def boxed_codegen() -> torch.fx.graph.CodeGen:
+    """FX code generator whose function takes one list and clears it after unpacking.
+
+    Without it, the caller's argument list keeps every saved activation alive for the whole
+    backward; with it, each one is freed after its last use.
+    """
+    return _BoxedCodeGen()
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """A key equal for two tensors iff they share a storage (valid while the storage lives)."""
+    return int(StorageWeakRef(tensor.untyped_storage()).cdata)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, FakeTensor)
+
+
+@contextlib.contextmanager
+def fake_mode() -> Iterator[FakeTensorMode]:
+    """A FakeTensorMode under which models of any size can be built and planned."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode

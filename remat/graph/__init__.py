@@ -1,0 +1,1 @@
+"""The torch side: capture, joint graph, costs, and the solver-facing problem."""

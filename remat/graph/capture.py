@@ -1,0 +1,225 @@
+"""Capture ``model(*args, **kwargs)`` as an FX graph of ATen ops with FakeTensor shapes.
+
+``torch.export.export(..., strict=False)`` is the primary path: it handles Hugging Face models,
+which ``torch.fx.symbolic_trace`` cannot. ``symbolic_trace`` remains as a fallback for plain
+modules that export rejects. Either way the model is wrapped so the graph takes a flat tuple of
+tensors and returns a flat tuple of tensors; the output structure (tuple, dict, ``ModelOutput``,
+non-tensor leaves) is recorded and rebuilt at run time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+PREFIX = "model."
+"""Names of parameters and buffers inside the captured wrapper start with this."""
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured as a graph; the message says where and what to try."""
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """How to rebuild the model's output from the graph's flat tensor outputs."""
+
+    spec: pytree.TreeSpec
+    tensor_positions: tuple[int, ...]
+    """Positions, among the output leaves, of the tensors the graph returns."""
+    constants: Mapping[int, Any]
+    """Non-tensor leaves, by position."""
+
+    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        leaves: list[Any] = [None] * self.spec.num_leaves
+        for pos, value in self.constants.items():
+            leaves[pos] = value
+        for pos, t in zip(self.tensor_positions, tensors, strict=True):
+            leaves[pos] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """How a call's arguments map to the graph's flat tensor inputs."""
+
+    num_args: int
+    tensor_kwargs: tuple[str, ...]
+    constant_kwargs: Mapping[str, Any]
+
+    def flatten(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+        return [*args, *(kwargs[k] for k in self.tensor_kwargs)]
+
+
+@dataclass(frozen=True)
+class Captured:
+    graph_module: torch.fx.GraphModule
+    """Takes the flat input tensors, returns the flat output tensors; parameters are attributes
+    named ``model.<fqn>``."""
+    method: str
+    """``export`` or ``symbolic_trace``."""
+    inputs: InputLayout
+    outputs: OutputLayout
+    example_inputs: tuple[torch.Tensor, ...]
+
+
+class _FlatModel(nn.Module):
+    """Calls the model with flat tensor inputs and returns its tensor leaves as a flat tuple."""
+
+    def __init__(self, model: nn.Module, inputs: InputLayout, record: list[OutputLayout]) -> None:
+        super().__init__()
+        self.model = model
+        self.layout = inputs
+        # A list we append to, not an attribute we set: tracers may restore module attributes.
+        self.record = record
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = self.layout.num_args
+        kwargs = dict(zip(self.layout.tensor_kwargs, flat[n:], strict=True))
+        out = self.model(*flat[:n], **kwargs, **self.layout.constant_kwargs)
+        leaves, spec = pytree.tree_flatten(out)
+        positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+        self.record.append(OutputLayout(spec, positions, constants))
+        return tuple(leaves[i] for i in positions)
+
+
+def input_layout(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> InputLayout:
+    """Validate example inputs and split kwargs into tensors and constants."""
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            raise ValueError(
+                f"example input {i} is a {type(a).__name__}, not a tensor; pass non-tensor "
+                "arguments as keyword arguments (they are treated as constants)"
+            )
+    tensor_kwargs = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    if "use_cache" not in kwargs and _accepts(model, "use_cache"):
+        # A KV cache is inference machinery: in training it is pure memory and graph noise.
+        constants["use_cache"] = False
+    return InputLayout(len(args), tensor_kwargs, constants)
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def capture(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    method: str = "auto",
+) -> Captured:
+    """Trace ``model(*args, **kwargs)``; ``method`` is ``auto``, ``export`` or ``symbolic_trace``.
+
+    The model is not modified: its parameters, buffers and training flags are as before.
+    """
+    if method not in ("auto", "export", "symbolic_trace"):
+        raise ValueError(f"unknown capture method {method!r}; valid: auto, export, symbolic_trace")
+    kwargs = dict(kwargs or {})
+    layout = input_layout(model, args, kwargs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
+            "there is no backward pass to plan"
+        )
+    flat_inputs = tuple(layout.flatten(args, kwargs))
+    record: list[OutputLayout] = []
+    wrapper = _FlatModel(model, layout, record)
+    export_error: BaseException | None = None
+    gm: torch.fx.GraphModule | None = None
+    used = method
+    if method in ("auto", "export"):
+        try:
+            gm = torch.export.export(wrapper, flat_inputs, strict=False).module()
+            used = "export"
+        except Exception as e:  # noqa: BLE001 - re-raised with context below
+            export_error = e
+            if method == "export":
+                raise _capture_error(model, e) from e
+    if gm is None:
+        try:
+            gm = torch.fx.symbolic_trace(wrapper)
+            used = "symbolic_trace"
+            with torch.no_grad():
+                gm(*flat_inputs)  # records the output layout
+        except Exception as e:  # noqa: BLE001 - re-raised with context below
+            raise _capture_error(model, export_error or e) from (export_error or e)
+    assert record, "the traced forward did not run"
+    outputs = record[-1]
+    if not outputs.tensor_positions:
+        raise ValueError(
+            f"{type(model).__name__} returned no tensor (output: {outputs.spec}); remat needs a "
+            "tensor output to differentiate"
+        )
+    _strip_asserts(gm)
+    return Captured(gm, used, layout, outputs, flat_inputs)
+
+
+def _strip_asserts(gm: torch.fx.GraphModule) -> None:
+    """Remove ``_assert_tensor_metadata`` nodes: impure checks AOTAutograd would keep alive."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and "assert_tensor_metadata" in str(node.target):
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(__file__))
+
+
+def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code (not torch's, not remat's) in ``err``'s chain."""
+    best = None
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for frame in traceback.extract_tb(e.__traceback__):
+            f = os.path.abspath(frame.filename)
+            if f.startswith((_TORCH_DIR, _OWN_DIR)) or "<" in frame.filename:
+                continue
+            if "site-packages" in f and "transformers" not in f:
+                continue
+            best = frame
+        e = e.__cause__ or e.__context__
+    return best
+
+
+def _capture_error(model: nn.Module, err: BaseException) -> CaptureError:
+    msg = str(err).strip().splitlines()
+    first = next((line for line in msg if line.strip()), type(err).__name__)
+    frame = _user_frame(err)
+    where = (
+        f"\n  failing source: {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+        if frame
+        else ""
+    )
+    text = str(err)
+    if "data-dependent" in text or "DataDependent" in text or "GuardOnDataDependent" in text:
+        hint = (
+            "the forward branches on the value of a tensor (e.g. `if x.sum() > 0:` or "
+            "`.item()`); make the branch depend on shapes or constants, or use torch.where / "
+            "torch.cond"
+        )
+    else:
+        hint = (
+            "check that the model runs eagerly on these inputs; pass non-tensor options as "
+            "keyword arguments; for Hugging Face models pass use_cache=False"
+        )
+    return CaptureError(
+        f"could not capture {type(model).__name__} as a graph: {type(err).__name__}: {first}"
+        f"{where}\n  what to try: {hint}"
+    )

@@ -1,0 +1,84 @@
+"""Per-node costs of the joint graph: FLOPs, bytes moved, estimated time.
+
+FLOPs come from PyTorch's FLOP registry (matmuls, convolutions, fused attention), evaluated on
+the FakeTensor shapes in ``meta["val"]`` without running anything, plus formulas the registry
+lacks (CPU fused attention). Ops outside the registry count 0 FLOPs: they are memory-bound and
+the roofline charges them for the bytes they move.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from remat import _torch_compat as tc
+from remat.graph.profiles import DeviceProfile
+
+aten = torch.ops.aten
+
+
+def _cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    return int(tc.sdpa_flop_count(q.shape, k.shape, v.shape))
+
+
+def _cpu_sdpa_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> int:
+    return int(tc.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape))
+
+
+EXTRA_FLOPS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
+}
+
+
+def _vals(args: Any) -> Any:
+    return pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, args)
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    packet = node.target.overloadpacket
+    args, kwargs = _vals(node.args), _vals(node.kwargs)
+    if packet in EXTRA_FLOPS:
+        return EXTRA_FLOPS[packet](*args, **kwargs)
+    if packet in tc.flop_registry:
+        return int(tc.flop_registry[packet](*args, out_val=node.meta.get("val"), **kwargs))
+    return 0
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def node_bytes_moved(node: torch.fx.Node, is_view: bool) -> int:
+    """Bytes read plus bytes written; a view moves nothing."""
+    if is_view or node.op != "call_function":
+        return 0
+    ins = _tensors(_vals((node.args, node.kwargs)))
+    outs = _tensors(node.meta.get("val"))
+    return sum(t.numel() * t.element_size() for t in (*ins, *outs))
+
+
+def node_dtype(node: torch.fx.Node) -> str:
+    outs = _tensors(node.meta.get("val"))
+    return str(outs[0].dtype).removeprefix("torch.") if outs else "float32"
+
+
+def node_time(node: torch.fx.Node, flops: int, is_view: bool, profile: DeviceProfile) -> float:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0.0
+    if is_view:
+        return profile.op_overhead_s
+    return profile.op_time(flops, node_bytes_moved(node, is_view), node_dtype(node))

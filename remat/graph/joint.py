@@ -1,0 +1,160 @@
+"""The joint forward+backward graph of a captured model, with every placeholder's role known.
+
+AOTAutograd traces forward and backward into one functional FX graph whose placeholders are the
+parameters, buffers, user inputs and output gradients (tangents), and whose outputs are the
+user outputs, the new values of mutated buffers, and the gradients. Descriptors on the
+placeholders and outputs say which is which; this module reads them into plain names.
+
+Tied parameters (one tensor under several names, e.g. GPT-2's ``wte``/``lm_head``) arrive as
+separate placeholders; they are merged into one, and their gradients summed in the graph, as
+autograd's input buffer sums them in eager mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat import _torch_compat as tc
+from remat.graph.capture import PREFIX, Captured
+from remat.problem import Role
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    name: str
+    role: Role
+    key: str | int
+    """Parameter/buffer FQN in the user's model, or the flat input / user output index."""
+
+
+@dataclass(frozen=True)
+class JointGraph:
+    graph_module: torch.fx.GraphModule
+    placeholders: tuple[Placeholder, ...]
+    """Graph order: parameters, buffers and inputs (the primals), then tangents."""
+    user_outputs: tuple[str, ...]
+    """Node names, in the order of the captured graph's flat outputs."""
+    mutations: tuple[tuple[str, Placeholder], ...]
+    """(node holding the new value, the mutated buffer or input)."""
+    grads: tuple[tuple[str, Placeholder], ...]
+    """(gradient node, the parameter or input it is the gradient of)."""
+    param_aliases: tuple[tuple[str, ...], ...]
+    """Groups of FQNs naming one tied parameter; the first is the one kept."""
+
+    @property
+    def primals(self) -> tuple[Placeholder, ...]:
+        return tuple(p for p in self.placeholders if p.role is not Role.TANGENT)
+
+    @property
+    def tangents(self) -> tuple[Placeholder, ...]:
+        return tuple(p for p in self.placeholders if p.role is Role.TANGENT)
+
+
+def _fqn(target: str) -> str:
+    return target[len(PREFIX) :] if target.startswith(PREFIX) else target
+
+
+def build_joint(captured: Captured) -> JointGraph:
+    """Trace the joint graph of a captured model (FakeTensor shapes on every node)."""
+    gm = tc.export_joint(captured.graph_module, captured.example_inputs)
+    graph = gm.graph
+    tensors: dict[str, Any] = dict(captured.graph_module.named_parameters(remove_duplicate=False))
+    tensors |= dict(captured.graph_module.named_buffers(remove_duplicate=False))
+
+    placeholders: list[Placeholder] = []
+    by_desc: dict[Any, Placeholder] = {}
+    canonical: dict[int, torch.fx.Node] = {}  # id(parameter tensor) -> first placeholder
+    aliases: dict[str, list[str]] = {}
+    for node in list(graph.nodes):
+        if node.op != "placeholder":
+            continue
+        desc = node.meta["desc"]
+        ph: Placeholder
+        if isinstance(desc, tc.ParamAOTInput):
+            ph = Placeholder(node.name, Role.PARAM, _fqn(desc.target))
+            first = canonical.setdefault(id(tensors[desc.target]), node)
+            if first is not node:
+                aliases.setdefault(_fqn(str(first.meta["desc"].target)), []).append(ph.key)  # type: ignore[arg-type]
+                by_desc[desc] = by_desc[first.meta["desc"]]
+                node.replace_all_uses_with(first)
+                graph.erase_node(node)
+                continue
+        elif isinstance(desc, tc.BufferAOTInput):
+            ph = Placeholder(node.name, Role.BUFFER, _fqn(desc.target))
+        elif isinstance(desc, tc.PlainAOTInput):
+            ph = Placeholder(node.name, Role.INPUT, desc.idx)
+        elif isinstance(desc, tc.TangentAOTInput) and isinstance(desc.output, tc.PlainAOTOutput):
+            ph = Placeholder(node.name, Role.TANGENT, desc.output.idx)
+        else:
+            raise NotImplementedError(f"unsupported joint-graph input {desc} ({node.name})")
+        by_desc[desc] = ph
+        placeholders.append(ph)
+
+    output = graph.output_node()
+    user: list[str] = []
+    mutations: list[tuple[str, Placeholder]] = []
+    grads: dict[str, list[torch.fx.Node]] = {}
+    grad_of: dict[str, Placeholder] = {}
+    returned: Any = output.args[0]
+    for value, desc in zip(returned, output.meta["desc"], strict=True):
+        if value is None:
+            continue  # no gradient (an integer input, a buffer)
+        if isinstance(desc, tc.PlainAOTOutput):
+            if not isinstance(value, torch.fx.Node):
+                raise NotImplementedError(
+                    f"output {desc.idx} is not a tensor computed by the graph"
+                )
+            user.append(value.name)
+        elif isinstance(desc, tc.InputMutationAOTOutput):
+            mutations.append((value.name, by_desc[desc.mutated_input]))
+        elif isinstance(desc, tc.GradAOTOutput):
+            target = by_desc[desc.grad_of]
+            grads.setdefault(target.name, []).append(value)
+            grad_of[target.name] = target
+        else:
+            raise NotImplementedError(
+                f"unsupported joint-graph output {desc}: remat does not handle this model yet "
+                "(outputs aliasing each other or their inputs)"
+            )
+
+    grad_pairs: list[tuple[str, Placeholder]] = []
+    for target_name, nodes in grads.items():
+        total = nodes[0]
+        for extra in nodes[1:]:
+            later = max(total, extra, key=_position(graph))
+            with graph.inserting_after(later):
+                total = graph.call_function(torch.ops.aten.add.Tensor, (total, extra))
+            total.meta["val"] = _fake_add(total.args[0].meta["val"], extra.meta["val"])  # type: ignore[union-attr]
+            total.meta["partitioner_tag"] = "is_backward"
+        grad_pairs.append((total.name, grad_of[target_name]))
+
+    names = {n.name: n for n in graph.nodes}
+    kept = (*user, *(m for m, _ in mutations), *(g for g, _ in grad_pairs))
+    output.args = (tuple(names[n] for n in kept),)
+    output.meta.pop("desc", None)
+    graph.lint()
+    gm.recompile()
+    return JointGraph(
+        graph_module=gm,
+        placeholders=tuple(placeholders),
+        user_outputs=tuple(user),
+        mutations=tuple(mutations),
+        grads=tuple(grad_pairs),
+        param_aliases=tuple((k, *v) for k, v in aliases.items()),
+    )
+
+
+def _position(graph: torch.fx.Graph) -> Any:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _fake_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    mode = getattr(a, "fake_mode", None)
+    if mode is None:
+        return torch.add(a, b)
+    with mode:
+        return torch.add(a, b)

@@ -1,0 +1,136 @@
+"""Turn an annotated joint graph into the solver-facing :class:`remat.problem.Problem`.
+
+Storage identity comes from the FakeTensors in ``meta["val"]``: views share their base's fake
+storage, so grouping nodes by storage gives exact, deduplicated byte counts. The first node (in
+graph order) referencing a storage allocates it, unless it belongs to a parameter, buffer or
+input, which exist before the step and cost nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from remat import _torch_compat as tc
+from remat.graph.costs import node_flops, node_time
+from remat.graph.joint import JointGraph
+from remat.graph.profiles import DeviceProfile, get_profile
+from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
+
+
+def _storages(val: Any) -> list[tuple[int, int]]:
+    """(storage key, bytes) of every tensor in a node's value."""
+    out = []
+    for t in pytree.tree_leaves(val):
+        if isinstance(t, torch.Tensor):
+            out.append((tc.storage_key(t), t.untyped_storage().nbytes()))
+    return out
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.target is operator.getitem:
+        return "getitem"
+    if node.op == "get_attr":
+        return "get_attr"
+    return str(node.target)
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    return False
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = str(path).removeprefix("model.").removeprefix("model")
+    return path.lstrip(".")
+
+
+def build_problem(
+    joint: JointGraph,
+    *,
+    device_profile: str | DeviceProfile = "cpu",
+    metadata: Mapping[str, str] | None = None,
+) -> Problem:
+    """Annotate every node (role, storages, FLOPs, time, randomness, module path)."""
+    profile = get_profile(device_profile)
+    graph = joint.graph_module.graph
+    roles = {p.name: p.role for p in joint.placeholders}
+    storage_owner: dict[int, str] = {}
+    storage_bytes: dict[str, int] = {}
+    external: set[int] = set()
+    backward: set[str] = set()
+    random: set[str] = set()
+    path_by_seq: dict[int, str] = {}
+    values: list[Value] = []
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        keys = _storages(node.meta.get("val"))
+        inputs = tuple(dict.fromkeys(n.name for n in node.all_input_nodes))
+        if node.op == "placeholder":
+            role = roles[node.name]
+        elif node.op == "get_attr":
+            role = Role.CONSTANT
+        else:
+            is_bw = node.meta.get("partitioner_tag") == "is_backward"
+            if is_bw or any(i in backward or roles.get(i) is Role.TANGENT for i in inputs):
+                role = Role.BACKWARD
+                backward.add(node.name)
+            else:
+                role = Role.FORWARD
+        if role in EXTERNAL_ROLES:
+            external.update(k for k, _ in keys)
+        storages: list[str] = []
+        allocates: list[str] = []
+        for key, nbytes in keys:
+            if key in external:
+                continue
+            if key not in storage_owner:
+                storage_owner[key] = sid = f"{node.name}#{len(allocates)}"
+                storage_bytes[sid] = nbytes
+                allocates.append(sid)
+            storages.append(storage_owner[key])
+        is_view = node.op == "call_function" and not allocates and bool(keys)
+        is_random = _is_random(node) or (node.target is operator.getitem and inputs[0] in random)
+        if is_random and role is Role.FORWARD:
+            random.add(node.name)
+        path = _module_path(node)
+        seq = node.meta.get("seq_nr")
+        if role is Role.FORWARD and path and seq is not None:
+            path_by_seq.setdefault(seq, path)
+        elif role is Role.BACKWARD and not path and seq is not None:
+            path = path_by_seq.get(seq, "")
+        flops = node_flops(node)
+        values.append(
+            Value(
+                name=node.name,
+                role=role,
+                op=_op_name(node),
+                inputs=inputs,
+                storages=tuple(dict.fromkeys(storages)),
+                allocates=tuple(allocates),
+                flops=flops,
+                time_s=node_time(node, flops, is_view, profile),
+                random=is_random,
+                module_path=path,
+            )
+        )
+    return Problem(
+        values=tuple(values),
+        storage_bytes=storage_bytes,
+        user_outputs=joint.user_outputs,
+        mutation_outputs=tuple(n for n, _ in joint.mutations),
+        grad_outputs=tuple(n for n, _ in joint.grads),
+        device_profile=profile.name,
+        metadata=dict(metadata or {}),
+    )

@@ -1,0 +1,119 @@
+"""Measure the memory of a real training step on CPU: live tensor storages, op by op.
+
+:class:`LiveMemoryMeter` is a TorchDispatchMode that sees every ATen op, registers each storage
+an op creates with a weakref finalizer, and tracks the live total and its peak. Storages that
+existed before the meter started (parameters, inputs) and views of them cost nothing, exactly
+as in remat's simulator. It does not see memory a kernel allocates internally and frees before
+returning (e.g. convolution workspace); :func:`allocator_peak_bytes` measures that level.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat import _torch_compat as tc
+
+
+class LiveMemoryMeter(TorchDispatchMode):
+    """Peak bytes of tensor storages allocated while the meter is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._tracked: dict[int, int] = {}
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if self._tracked.get(key) == nbytes:
+            del self._tracked[key]
+            self.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            tc.storage_key(t)
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = tc.storage_key(t)
+            if key in self._tracked or key in inputs:
+                continue  # already counted, or a view of a storage that existed before
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            self._tracked[key] = nbytes
+            self.live_bytes += nbytes
+            weakref.finalize(storage, self._free, key, nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+
+def allocator_peak_bytes(step: Callable[[], Any]) -> int:
+    """Peak of the CPU allocator during ``step()`` (sees kernel scratch memory too).
+
+    Sums the profiler's ``[memory]`` events in order; the live-storage meter's peak is a lower
+    bound of this one, and the gap is what a reserve must cover.
+    """
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        step()
+    events = [e for e in prof.events() if e.name == "[memory]"]
+    events.sort(key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    peak_bytes: int
+    outputs: tuple[torch.Tensor, ...]
+    """The tensor leaves of the output, detached."""
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def training_step(
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """Forward, then backward with dense random output gradients (as a loss such as
+    cross-entropy produces), drawn from their own generator so the global random stream is
+    untouched. The outputs stay alive until the backward has run, as in a training loop.
+    Gradients accumulate into ``.grad``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = output_tensors(module(*args, **(kwargs or {})))
+    diff = [t for t in out if t.requires_grad]
+    tangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in diff]
+    torch.autograd.backward(diff, tangents)
+    return tuple(t.detach() for t in out)
+
+
+def measure_step(
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    seed: int = 0,
+) -> StepMeasurement:
+    """Run :func:`training_step` under a :class:`LiveMemoryMeter`."""
+    with LiveMemoryMeter() as meter:
+        outputs = training_step(module, args, kwargs, seed=seed)
+    return StepMeasurement(meter.peak_bytes, outputs)

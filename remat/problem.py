@@ -1,0 +1,147 @@
+"""The contract between the torch side (``remat.graph``) and the solvers (``remat.solver``).
+
+A :class:`Problem` is the joint forward+backward graph reduced to numbers: one :class:`Value` per
+graph node, in the graph's (topological) order, with the storages it references, what it
+allocates, its FLOPs and estimated time. It imports nothing from torch, so solvers can be tested
+on hand-built graphs and the solver side never depends on a torch release.
+
+Memory is accounted per *storage*, not per value: a view references its base's storage and costs
+nothing; a storage is live while any value referencing it is live. That is exactly what a
+live-storage meter measures, which is why simulated and measured peaks can agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import networkx as nx
+
+
+class Role(str, Enum):
+    """Where a value comes from in one training step."""
+
+    PARAM = "param"  # a parameter: exists before the step (external storage)
+    BUFFER = "buffer"  # a buffer (e.g. BatchNorm running stats): external
+    INPUT = "input"  # a user input: external
+    CONSTANT = "constant"  # a tensor constant of the graph: external
+    TANGENT = "tangent"  # gradient of a user output, allocated by the caller before backward
+    FORWARD = "forward"  # computed by the forward pass; may be saved or recomputed
+    BACKWARD = "backward"  # computed by the backward pass, in a fixed order
+
+
+EXTERNAL_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.INPUT, Role.CONSTANT})
+
+
+@dataclass(frozen=True)
+class Value:
+    """One node of the joint graph."""
+
+    name: str
+    role: Role
+    op: str
+    """Operator name, e.g. ``aten.mm.default`` (``getitem`` for tuple projections)."""
+    inputs: tuple[str, ...] = ()
+    storages: tuple[str, ...] = ()
+    """Storages this value keeps alive (a view shares its base's; a tuple holds all its parts)."""
+    allocates: tuple[str, ...] = ()
+    """Storages created by this op (empty for views and external values)."""
+    flops: int = 0
+    time_s: float = 0.0
+    random: bool = False
+    """Draws random numbers (or projects a random op's tuple): never recomputed."""
+    module_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not set(self.allocates) <= set(self.storages):
+            raise ValueError(f"{self.name}: allocated storages must be referenced by the value")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A joint forward+backward graph as numbers: what the solvers and the simulator see.
+
+    ``values`` are in graph order, which is a topological order; the backward values' order is
+    the executor's fixed backward order.
+    """
+
+    values: tuple[Value, ...]
+    storage_bytes: Mapping[str, int]
+    """Bytes of every storage referenced by a non-external value (external ones cost 0)."""
+    user_outputs: tuple[str, ...]
+    """Forward values returned to the user; held by the caller until the step ends."""
+    mutation_outputs: tuple[str, ...] = ()
+    """New values of mutated buffers; copied into the buffers, then freed, after the forward."""
+    grad_outputs: tuple[str, ...] = ()
+    """Gradients returned by the backward (one per trainable input)."""
+    device_profile: str = "cpu"
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for v in self.values:
+            for i in v.inputs:
+                if i not in seen:
+                    raise ValueError(f"{v.name}: input {i} is not defined before it")
+            if v.name in seen:
+                raise ValueError(f"duplicate value name {v.name}")
+            seen.add(v.name)
+            for s in v.allocates:
+                if s not in self.storage_bytes:
+                    raise ValueError(f"{v.name}: storage {s} has no size")
+        for name in (*self.user_outputs, *self.mutation_outputs, *self.grad_outputs):
+            if name not in seen:
+                raise ValueError(f"output {name} is not a value")
+
+    @functools.cached_property
+    def by_name(self) -> Mapping[str, Value]:
+        return {v.name: v for v in self.values}
+
+    @functools.cached_property
+    def index(self) -> Mapping[str, int]:
+        return {v.name: i for i, v in enumerate(self.values)}
+
+    @functools.cached_property
+    def users(self) -> Mapping[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {v.name: [] for v in self.values}
+        for v in self.values:
+            for i in dict.fromkeys(v.inputs):
+                out[i].append(v.name)
+        return {k: tuple(u) for k, u in out.items()}
+
+    def of_role(self, *roles: Role) -> tuple[Value, ...]:
+        return tuple(v for v in self.values if v.role in roles)
+
+    @functools.cached_property
+    def forward_names(self) -> frozenset[str]:
+        return frozenset(v.name for v in self.values if v.role is Role.FORWARD)
+
+    @functools.cached_property
+    def backward_reads(self) -> frozenset[str]:
+        """Forward values read directly by some backward op: what eager autograd would save."""
+        fwd = self.forward_names
+        return frozenset(
+            i for v in self.values if v.role is Role.BACKWARD for i in v.inputs if i in fwd
+        )
+
+    def storages_bytes(self, storages: Iterable[str]) -> int:
+        return sum(self.storage_bytes.get(s, 0) for s in set(storages))
+
+    def to_networkx(self) -> nx.DiGraph:
+        """The DAG with node attributes (role, op, flops, time_s, random, bytes allocated)."""
+        g = nx.DiGraph()
+        for v in self.values:
+            g.add_node(
+                v.name,
+                role=v.role.value,
+                op=v.op,
+                flops=v.flops,
+                time_s=v.time_s,
+                random=v.random,
+                alloc_bytes=self.storages_bytes(v.allocates),
+            )
+            for i in v.inputs:
+                g.add_edge(i, v.name)
+        return g

@@ -1,0 +1,152 @@
+"""The nn.Module users train: the user's own parameters and buffers, run through a plan.
+
+It mirrors the user's module tree with plain containers holding the *same* parameter and
+buffer objects under the same names, so ``state_dict()`` keys are identical, optimizers see the
+user's parameters, and the user's module object itself is never modified (its forward, hooks
+and training flags stay as they were).
+
+Graphs are specialised to the training flag and the input shapes they were captured with; a
+call with another flag or other shapes plans again (once per new signature, with a warning).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.graph.capture import Captured
+from remat.problem import Role
+from remat.rewrite.executor import Executor
+from remat.solver.plan import Plan
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One capture of the model and its executor."""
+
+    captured: Captured
+    executor: Executor
+
+
+Planner = Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], Compiled]
+"""Builds a :class:`Compiled` for the model in its current training mode."""
+
+
+def signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Hashable:
+    """What a captured graph is specialised to: tensor shapes, dtypes, devices, constants."""
+
+    def one(x: Any) -> Hashable:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+        try:
+            hash(x)
+        except TypeError:
+            return ("C", repr(x))
+        return ("C", x)
+
+    return (tuple(one(a) for a in args), tuple(sorted((k, one(v)) for k, v in kwargs.items())))
+
+
+def _mirror(source: nn.Module, target: nn.Module) -> None:
+    """Register ``source``'s parameters and buffers on ``target`` under the same names."""
+
+    def container(path: str) -> nn.Module:
+        mod = target
+        for part in path.split(".") if path else []:
+            if part not in mod._modules:
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]  # type: ignore[assignment]
+        return mod
+
+    for prefix, mod in source.named_modules(remove_duplicate=False):
+        for name, p in mod._parameters.items():
+            if p is not None:
+                container(prefix).register_parameter(name, p)
+        for name, b in mod._buffers.items():
+            if b is not None:
+                persistent = name not in mod._non_persistent_buffers_set
+                container(prefix).register_buffer(name, b, persistent=persistent)
+
+
+class RematModule(nn.Module):
+    """Trains exactly like the wrapped model, with the memory and time of its plan."""
+
+    _source: nn.Module
+    _planner: Planner
+    _compiled: dict[Hashable, Compiled]
+    _first: Compiled
+    _source_name: str
+
+    def __init__(
+        self,
+        source: nn.Module,
+        first: Compiled,
+        first_signature: Hashable,
+        planner: Planner,
+    ) -> None:
+        super().__init__()
+        _mirror(source, self)
+        self.train(source.training)
+        # Held outside the module tree: not a submodule, so it adds no state_dict keys and
+        # .train()/.to() on this module never reach it.
+        object.__setattr__(self, "_source", source)
+        object.__setattr__(self, "_planner", planner)
+        object.__setattr__(self, "_compiled", {(source.training, first_signature): first})
+        object.__setattr__(self, "_first", first)
+        object.__setattr__(self, "_source_name", type(source).__name__)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the graph captured by :func:`remat.optimize`."""
+        return self._first.executor.plan
+
+    @property
+    def plans(self) -> dict[Hashable, Plan]:
+        """Every plan made so far, by (training flag, input signature)."""
+        return {k: c.executor.plan for k, c in self._compiled.items()}
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return f"source={self._source_name}, plan={p.solver}, predicted_peak={p.predicted_peak_bytes:,} B"
+
+    def _compiled_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Compiled:
+        key = (self.training, signature(args, kwargs))
+        found = self._compiled.get(key)
+        if found is not None:
+            return found
+        warnings.warn(
+            f"remat: planning again for {'training' if self.training else 'eval'} mode with "
+            "new input shapes/options (graphs are specialised to the inputs they were traced with)",
+            stacklevel=3,
+        )
+        source: nn.Module = self._source
+        flags = {m: m.training for m in source.modules()}
+        try:
+            source.train(self.training)
+            compiled = self._planner(source, args, kwargs)
+        finally:
+            for m, flag in flags.items():
+                m.training = flag
+        self._compiled[key] = compiled
+        return compiled
+
+    def _primal(self, role: Role, key: str | int, inputs: list[torch.Tensor]) -> torch.Tensor:
+        if role is Role.PARAM:
+            return self.get_parameter(str(key))
+        if role is Role.BUFFER:
+            return self.get_buffer(str(key))
+        return inputs[int(key)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self._compiled_for(args, kwargs)
+        inputs = compiled.captured.inputs.flatten(args, kwargs)
+        ex = compiled.executor
+        primals = [self._primal(role, key, inputs) for role, key in ex.primal_keys]
+        del inputs
+        outs = ex.run(primals)
+        return compiled.captured.outputs.rebuild(outs)

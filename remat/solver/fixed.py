@@ -1,0 +1,77 @@
+"""Three fixed plans that exercise the executor end to end.
+
+* ``keep_all``: save every forward value the backward reads: what eager autograd keeps.
+* ``keep_inputs``: save nothing but what must be saved (outputs of random ops); the backward
+  recomputes the rest. Under the executor's recompute-once rule every recomputed value stays
+  alive until its last use, so this minimises what crosses from forward to backward, not the
+  backward's peak.
+* ``keep_matmuls``: save the outputs of matmul, convolution and attention kernels (the expensive
+  ops) and recompute the cheap ops between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from remat.problem import Problem, Role
+
+MATMUL_OPS = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten.convolution.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+    }
+)
+
+
+def _random(problem: Problem) -> dict[str, str]:
+    return {
+        v.name: "saved: random op output (never recomputed)"
+        for v in problem.values
+        if v.role is Role.FORWARD and v.random
+    }
+
+
+def _keep_all(problem: Problem) -> dict[str, str]:
+    out = {n: "saved: read by the backward (keep everything)" for n in problem.backward_reads}
+    return out | _random(problem)
+
+
+def _keep_inputs(problem: Problem) -> dict[str, str]:
+    return _random(problem)
+
+
+def _keep_matmuls(problem: Problem) -> dict[str, str]:
+    values = problem.by_name
+    out: dict[str, str] = {}
+    for v in problem.values:
+        if v.role is not Role.FORWARD:
+            continue
+        producer = values[v.inputs[0]] if v.op == "getitem" and v.inputs else v
+        if producer.op in MATMUL_OPS:
+            out[v.name] = f"saved: output of {producer.op.split('.')[1]}"
+    return out | _random(problem)
+
+
+FIXED_PLANS: Mapping[str, Callable[[Problem], dict[str, str]]] = {
+    "keep_all": _keep_all,
+    "keep_inputs": _keep_inputs,
+    "keep_matmuls": _keep_matmuls,
+}
+
+
+def fixed_saved_set(problem: Problem, name: str) -> dict[str, str]:
+    """The saved set of fixed plan ``name``, each value with the reason it is saved."""
+    try:
+        rule = FIXED_PLANS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown plan {name!r}; valid plans: {', '.join(sorted(FIXED_PLANS))}"
+        ) from None
+    return rule(problem)

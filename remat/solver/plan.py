@@ -1,0 +1,96 @@
+"""A plan: which forward values the backward gets saved, everything else being recomputed.
+
+Solvers decide the saved set; :func:`make_plan` turns it into a complete, immutable record: the
+schedule the executor will run, the simulated memory timeline and the recompute cost, and a
+reason for every decision, so a report can say why each value is kept or recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from remat.problem import Problem
+from remat.solver.schedule import Schedule, build_schedule
+from remat.solver.simulate import Simulation, simulate
+
+
+@dataclass(frozen=True)
+class Plan:
+    saved: frozenset[str]
+    """Forward values kept for the backward (node names of the joint graph)."""
+    solver: str
+    reason: str
+    """Why this plan was chosen, in one sentence."""
+    decisions: Mapping[str, str]
+    """For every forward value the backward reads (directly or to recompute): why it is saved
+    or recomputed."""
+    schedule: Schedule
+    simulation: Simulation
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """Peak bytes allocated during one training step (forward and backward, parameter
+        gradients included; parameters and optimizer state excluded): what the live meter
+        measures."""
+        return self.simulation.peak_bytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.simulation.saved_bytes
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.simulation.recompute_flops
+
+    @property
+    def recompute_time_s(self) -> float:
+        return self.simulation.recompute_time_s
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return self.schedule.recomputed
+
+    def summary(self) -> str:
+        sim = self.simulation
+        overhead = sim.recompute_time_s / sim.step_time_s if sim.step_time_s else 0.0
+        return (
+            f"plan {self.solver!r}: predicted peak {_fmt_bytes(sim.peak_bytes)} "
+            f"(at {sim.peak_step}); saved for backward {_fmt_bytes(sim.saved_bytes)} "
+            f"in {len(self.schedule.saved)} values; {len(self.schedule.recomputed)} ops "
+            f"recomputed, {sim.recompute_flops / 1e9:.3f} GFLOP, "
+            f"{overhead:.1%} of the estimated step time. {self.reason}"
+        )
+
+
+def make_plan(
+    problem: Problem,
+    saved: Iterable[str],
+    *,
+    solver: str,
+    reason: str,
+    why_saved: Mapping[str, str] | None = None,
+) -> Plan:
+    """Schedule and simulate ``saved``; raises :class:`InvalidPlanError` if it cannot run."""
+    saved_set = frozenset(saved)
+    schedule = build_schedule(problem, saved_set)
+    why_saved = why_saved or {}
+    decisions = {n: why_saved.get(n, "saved") for n in schedule.saved}
+    for n in schedule.recomputed:
+        decisions[n] = "recomputed: not saved by the plan"
+    return Plan(
+        saved=frozenset(schedule.saved),
+        solver=solver,
+        reason=reason,
+        decisions=decisions,
+        schedule=schedule,
+        simulation=simulate(problem, schedule),
+    )
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,107 @@
+"""The executor's exact order, as a pure function of a problem and a saved set.
+
+Both the simulator (:mod:`remat.solver.simulate`) and the rewriter (:mod:`remat.rewrite`) call
+:func:`build_schedule`, so the order remat predicts is by construction the order it runs.
+
+The executor:
+
+* runs, in the forward, every forward op needed for the user outputs, the buffer updates and the
+  saved values, plus every random op (so the random stream is consumed exactly as in eager);
+* runs the backward ops in the joint graph's order (the order autograd ran them while tracing);
+* before each backward op, recomputes the forward values it needs that are neither saved nor
+  already recomputed, in graph order, and keeps each until its last use: a value is recomputed
+  at most once;
+* never recomputes a random op: a plan that would need to is invalid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from remat.problem import EXTERNAL_ROLES, Problem, Role
+
+
+class InvalidPlanError(ValueError):
+    """A saved set the executor cannot run (saves a non-forward value, recomputes a random op)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    forward: tuple[str, ...]
+    """Ops of the forward graph, in execution order."""
+    saved: tuple[str, ...]
+    """Forward values handed from the forward to the backward (graph order)."""
+    external_reads: tuple[str, ...]
+    """Parameters, buffers and inputs the backward reads (free to keep: the caller holds them)."""
+    backward: tuple[str, ...]
+    """Ops of the backward graph in execution order, recomputations inlined."""
+    recomputed: tuple[str, ...]
+    """Forward ops the backward re-runs (each exactly once)."""
+
+
+def build_schedule(problem: Problem, saved: Iterable[str]) -> Schedule:
+    """The forward and backward op orders that realise ``saved``."""
+    values = problem.by_name
+    index = problem.index
+    saved_set = frozenset(saved)
+    bad = sorted(s for s in saved_set if s not in values or values[s].role is not Role.FORWARD)
+    if bad:
+        raise InvalidPlanError(f"only forward values can be saved; not forward: {bad[:5]}")
+
+    external = {v.name for v in problem.values if v.role in EXTERNAL_ROLES}
+    available = external | saved_set | {v.name for v in problem.values if v.role is Role.TANGENT}
+    backward: list[str] = []
+    recomputed: list[str] = []
+    for v in problem.values:
+        if v.role is not Role.BACKWARD:
+            continue
+        missing = _recompute_closure(problem, v.inputs, available)
+        for name in sorted(missing, key=index.__getitem__):
+            backward.append(name)
+            recomputed.append(name)
+        available |= missing
+        backward.append(v.name)
+        available.add(v.name)
+
+    read = {i for name in backward for i in values[name].inputs}
+    saved_used = tuple(sorted(saved_set & read, key=index.__getitem__))
+    external_reads = tuple(sorted(external & read, key=index.__getitem__))
+
+    targets = set(problem.user_outputs) | set(problem.mutation_outputs) | set(saved_used)
+    targets |= {v.name for v in problem.values if v.role is Role.FORWARD and v.random}
+    needed: set[str] = set()
+    for v in reversed(problem.values):
+        if v.role is Role.FORWARD and v.name in targets:
+            needed.add(v.name)
+            targets.update(v.inputs)
+    forward = tuple(v.name for v in problem.values if v.name in needed)
+    return Schedule(
+        forward=forward,
+        saved=saved_used,
+        external_reads=external_reads,
+        backward=tuple(backward),
+        recomputed=tuple(recomputed),
+    )
+
+
+def _recompute_closure(problem: Problem, names: Iterable[str], available: set[str]) -> set[str]:
+    """Forward values that must be recomputed so that all of ``names`` are available."""
+    values = problem.by_name
+    missing: set[str] = set()
+    stack = [n for n in names if n not in available]
+    while stack:
+        name = stack.pop()
+        if name in missing or name in available:
+            continue
+        v = values[name]
+        if v.role is not Role.FORWARD:
+            raise InvalidPlanError(f"{name} ({v.role.value}) is needed but not available")
+        if v.random:
+            raise InvalidPlanError(
+                f"{name} ({v.op}) draws random numbers and would be recomputed with fresh "
+                "randomness: a plan must save it (or what the backward reads of it)"
+            )
+        missing.add(name)
+        stack.extend(i for i in v.inputs if i not in available and i not in missing)
+    return missing

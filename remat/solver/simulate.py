@@ -1,0 +1,167 @@
+"""Exact memory timeline of one training step under the executor's schedule.
+
+The model of the executor (it mirrors :mod:`remat.rewrite.executor` and FX's code generation):
+
+* a value is held from the op that produces it until after its last use in the graph that runs
+  it; a value with no use in that graph is dropped right after its op; graph outputs are held
+  past the end of the graph;
+* a storage is live while any holder references it; external storages (parameters, buffers,
+  inputs) existed before the step and cost nothing;
+* an op's outputs are allocated while its inputs are still held, so the live total right after
+  an op's allocation, before any frees, is a peak candidate;
+* after the forward, user outputs are held by the caller until the step ends, saved values by
+  the autograd context until the backward frees them after their last use (boxed calling
+  convention), buffer updates are copied into the buffers and dropped;
+* before the backward, the caller allocates one dense gradient per differentiable user output
+  (the tangents); the autograd engine holds them until the backward returns;
+* the backward's gradients are returned and stored as ``.grad`` (stolen, not copied).
+
+``peak_bytes`` is the maximum live total over the step: exactly what
+:class:`remat.meter.LiveMemoryMeter` measures on a real run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from remat.problem import Problem, Role
+from remat.solver.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class TimelineStep:
+    phase: str
+    """``forward``, ``backward`` (backward ops and recomputations) or ``runtime``."""
+    name: str
+    allocated_bytes: int
+    """Live bytes right after this step's allocations (a peak candidate)."""
+    live_bytes: int
+    """Live bytes after this step's frees."""
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class Simulation:
+    timeline: tuple[TimelineStep, ...]
+    peak_bytes: int
+    peak_step: str
+    saved_bytes: int
+    """Bytes the forward leaves to the backward (saved values, deduplicated by storage)."""
+    recompute_flops: int
+    recompute_time_s: float
+    forward_time_s: float
+    backward_time_s: float
+    """Backward op time, recomputation included."""
+
+    @property
+    def step_time_s(self) -> float:
+        return self.forward_time_s + self.backward_time_s
+
+
+class _Memory:
+    """Storages, the holders that keep them alive, and the running totals."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.holders: Counter[str] = Counter()
+        self.live = 0
+        self.peak = 0
+        self.peak_step = ""
+        self.timeline: list[TimelineStep] = []
+
+    def hold(self, name: str) -> None:
+        for s in self.problem.by_name[name].storages:
+            if self.holders[s] == 0:
+                self.live += self.problem.storage_bytes[s]
+            self.holders[s] += 1
+
+    def drop(self, name: str) -> None:
+        for s in self.problem.by_name[name].storages:
+            self.holders[s] -= 1
+            assert self.holders[s] >= 0, f"storage {s} of {name} dropped twice"
+            if self.holders[s] == 0:
+                self.live -= self.problem.storage_bytes[s]
+
+    def record(self, phase: str, name: str, allocated: int, recompute: bool = False) -> None:
+        if allocated > self.peak:
+            self.peak, self.peak_step = allocated, f"{phase}:{name}"
+        self.timeline.append(TimelineStep(phase, name, allocated, self.live, recompute))
+
+
+def _run_graph(
+    mem: _Memory,
+    phase: str,
+    ops: tuple[str, ...],
+    outputs: Iterable[str],
+    recomputed: frozenset[str] = frozenset(),
+) -> None:
+    """Execute one FX graph; its outputs stay held by their variables when it returns.
+
+    Inputs arrive held by the caller; a boxed call hands that reference to the graph, which
+    drops it after the input's last use (an input never read stays held until the end).
+    """
+    problem = mem.problem
+    outputs = set(outputs)
+    last_use: dict[str, int] = {}
+    for k, name in enumerate(ops):
+        for i in problem.by_name[name].inputs:
+            last_use[i] = k
+    frees: dict[int, list[str]] = {}
+    for name, k in last_use.items():
+        if name not in outputs:
+            frees.setdefault(k, []).append(name)
+    for k, name in enumerate(ops):
+        if name not in last_use and name not in outputs:
+            frees.setdefault(k, []).append(name)
+    for k, name in enumerate(ops):
+        mem.hold(name)
+        allocated = mem.live
+        for dead in frees.get(k, ()):
+            mem.drop(dead)
+        mem.record(phase, name, allocated, name in recomputed)
+
+
+def simulate(problem: Problem, schedule: Schedule) -> Simulation:
+    """Walk the executor's order and account every storage; see the module docstring."""
+    values = problem.by_name
+    mem = _Memory(problem)
+
+    # Forward graph: returns user outputs, buffer updates, saved values.
+    fw_outputs = (*problem.user_outputs, *problem.mutation_outputs, *schedule.saved)
+    _run_graph(mem, "forward", schedule.forward, fw_outputs)
+    # The graph's output tuple is split: the caller keeps the user outputs, the context the
+    # saved values; buffer updates are copied into the buffers and dropped.
+    for name in (*problem.user_outputs, *schedule.saved):
+        mem.hold(name)
+    for name in dict.fromkeys(fw_outputs):
+        mem.drop(name)
+    mem.record("runtime", "buffer updates", mem.live)
+    saved_bytes = problem.storages_bytes(s for n in schedule.saved for s in values[n].storages)
+
+    # The caller allocates the tangents; the engine holds them for the whole backward.
+    tangents = [v.name for v in problem.values if v.role is Role.TANGENT]
+    for t in tangents:
+        mem.hold(t)  # the engine's reference
+        mem.hold(t)  # the backward graph's argument
+    mem.record("runtime", "output gradients", mem.live)
+    _run_graph(
+        mem,
+        "backward",
+        schedule.backward,
+        problem.grad_outputs,
+        frozenset(schedule.recomputed),
+    )
+
+    recomputed = [values[n] for n in schedule.recomputed]
+    return Simulation(
+        timeline=tuple(mem.timeline),
+        peak_bytes=mem.peak,
+        peak_step=mem.peak_step,
+        saved_bytes=saved_bytes,
+        recompute_flops=sum(v.flops for v in recomputed),
+        recompute_time_s=sum(v.time_s for v in recomputed),
+        forward_time_s=sum(values[n].time_s for n in schedule.forward),
+        backward_time_s=sum(values[n].time_s for n in schedule.backward),
+    )

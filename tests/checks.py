@@ -1,0 +1,40 @@
+"""Shared checkers: every plan of every model goes through the same two checks.
+
+1. Equivalence (:func:`remat.verify.verify`): outputs, parameter gradients, parameters and
+   buffers bitwise equal to the unmodified model's over several optimizer steps, dropout on.
+2. Memory: the live-storage meter's peak of each step equals the simulated peak within
+   max(1%, 64 KiB).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from remat.verify import Verification, verify
+
+TOLERANCE_BYTES = 64 * 1024
+TOLERANCE_FRACTION = 0.01
+
+
+def assert_peak_close(predicted: int, measured: int, what: str) -> None:
+    tol = max(TOLERANCE_BYTES, TOLERANCE_FRACTION * predicted)
+    assert abs(predicted - measured) <= tol, (
+        f"{what}: predicted peak {predicted:,} B, measured {measured:,} B "
+        f"(diff {measured - predicted:+,} B, tolerance {tol:,.0f} B)"
+    )
+
+
+def assert_trains_like_eager(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, steps: int = 3, **opts: Any
+) -> Verification:
+    """Both checks; returns the verification for further assertions."""
+    result = verify(model, args, example_kwargs=kwargs, steps=steps, **opts)
+    assert result.equal, "\n".join(result.mismatches)
+    for s in result.steps:
+        assert_peak_close(s.predicted_peak_bytes, s.measured_peak_bytes, f"step {s.step}")
+    return result
+
+
+

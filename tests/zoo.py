@@ -1,0 +1,132 @@
+"""The model zoo every end-to-end test runs: small, random-init, dropout on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.models import TinyGPT
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], tuple[Any, ...]]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _tokens(vocab: int, batch: int = 2, seq: int = 16) -> Callable[[], tuple[Any, ...]]:
+    return lambda: (
+        torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(7)),
+    )
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1, stride=2),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+        )
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class TwoHeads(nn.Module):
+    """Returns a tuple: logits and a projection of the hidden features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Dropout(0.2))
+        self.cls = nn.Linear(64, 5)
+        self.proj = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.cls(h), self.proj(h).relu()
+
+
+class TiedAutoencoder(nn.Module):
+    """Decoder reuses the encoder's weight object: one parameter under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(48, 24)
+        self.dec = nn.Linear(24, 48, bias=False)
+        self.dec.weight = nn.Parameter(self.enc.weight.detach().t().contiguous())
+        self.mid = nn.Linear(24, 24)
+        self.out = nn.Linear(24, 24, bias=False)
+        self.out.weight = self.mid.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.enc(x))
+        h = torch.relu(self.out(torch.relu(self.mid(h))))
+        return self.dec(h)
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return BertForMaskedLM(cfg)
+
+
+def _images() -> tuple[Any, ...]:
+    return (torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3)),)
+
+
+def _vectors(n: int) -> Callable[[], tuple[Any, ...]]:
+    return lambda: (torch.randn(8, n, generator=torch.Generator().manual_seed(5)),)
+
+
+ZOO: tuple[Case, ...] = (
+    Case("tiny_gpt", lambda: TinyGPT(vocab=128, dim=64, heads=4, layers=2, seq=32), _tokens(128)),
+    Case("hf_gpt2", _gpt2, _tokens(128)),
+    Case("hf_llama", _llama, _tokens(128)),
+    Case("hf_bert", _bert, _tokens(128)),
+    Case("cnn_bn", ConvBN, _images),
+    Case("tuple_out", TwoHeads, _vectors(32)),
+    Case("tied", TiedAutoencoder, _vectors(48)),
+)
