@@ -37,6 +37,7 @@ __all__ = [
     "PlainAOTInput",
     "PlainAOTOutput",
     "TangentAOTInput",
+    "allocator_events",
     "boxed_codegen",
     "export_joint",
     "flop_registry",
@@ -66,6 +67,12 @@ def boxed_codegen() -> torch.fx.graph.CodeGen:
     backward; with it, each one is freed after its last use.
     """
     return _BoxedCodeGen()
+
+
+def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    """(time ns, bytes) of every allocation (+) and free (-) the profiler recorded, in order."""
+    results: Any = prof.profiler.kineto_results  # type: ignore[union-attr]
+    return sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -67,11 +67,9 @@ def allocator_peak_bytes(step: Callable[[], Any]) -> int:
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         step()
-    events = [e for e in prof.events() if e.name == "[memory]"]
-    events.sort(key=lambda e: e.time_range.start)
     live = peak = 0
-    for e in events:
-        live += e.cpu_memory_usage
+    for _, nbytes in tc.allocator_events(prof):
+        live += nbytes
         peak = max(peak, live)
     return peak
 

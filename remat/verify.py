@@ -57,8 +57,10 @@ def _compare(ref: nn.Module, fast: nn.Module, outs: Any, fast_outs: Any, step: i
     ]
     ref_params = dict(ref.named_parameters())
     for name, p in fast.named_parameters():
-        g = ref_params[name].grad
-        if (p.grad is None) != (g is None) or (g is not None and not torch.equal(p.grad, g)):
+        g, h = ref_params[name].grad, p.grad
+        if (g is None) != (h is None) or (
+            g is not None and h is not None and not torch.equal(g, h)
+        ):
             bad.append(f"step {step}: gradient of {name} differs")
     ref_buffers = dict(ref.named_buffers())
     bad += [

@@ -35,6 +35,3 @@ def assert_trains_like_eager(
     for s in result.steps:
         assert_peak_close(s.predicted_peak_bytes, s.measured_peak_bytes, f"step {s.step}")
     return result
-
-
-

@@ -61,9 +61,10 @@ class InputLayout:
 
 @dataclass(frozen=True)
 class Captured:
-    graph_module: torch.fx.GraphModule
+    graph_module: nn.Module
     """Takes the flat input tensors, returns the flat output tensors; parameters are attributes
-    named ``model.<fqn>``."""
+    named ``model.<fqn>``. A GraphModule of ATen ops when exported; the traced module wrapped
+    when captured by ``symbolic_trace``."""
     method: str
     """``export`` or ``symbolic_trace``."""
     inputs: InputLayout
@@ -139,7 +140,7 @@ def capture(
     record: list[OutputLayout] = []
     wrapper = _FlatModel(model, layout, record)
     export_error: BaseException | None = None
-    gm: torch.fx.GraphModule | None = None
+    gm: nn.Module | None = None
     used = method
     if method in ("auto", "export"):
         try:
@@ -151,7 +152,8 @@ def capture(
                 raise _capture_error(model, e) from e
     if gm is None:
         try:
-            gm = torch.fx.symbolic_trace(wrapper)
+            traced = torch.fx.symbolic_trace(model, concrete_args=dict(layout.constant_kwargs))
+            gm = _FlatModel(traced, layout, record)
             used = "symbolic_trace"
             with torch.no_grad():
                 gm(*flat_inputs)  # records the output layout
@@ -164,7 +166,8 @@ def capture(
             f"{type(model).__name__} returned no tensor (output: {outputs.spec}); remat needs a "
             "tensor output to differentiate"
         )
-    _strip_asserts(gm)
+    if isinstance(gm, torch.fx.GraphModule):
+        _strip_asserts(gm)
     return Captured(gm, used, layout, outputs, flat_inputs)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat._torch_compat import is_fake
 from remat.graph.capture import Captured
 from remat.problem import Role
 from remat.rewrite.executor import Executor
@@ -81,6 +82,7 @@ class RematModule(nn.Module):
     _compiled: dict[Hashable, Compiled]
     _first: Compiled
     _source_name: str
+    _fake: bool
 
     def __init__(
         self,
@@ -99,6 +101,7 @@ class RematModule(nn.Module):
         object.__setattr__(self, "_compiled", {(source.training, first_signature): first})
         object.__setattr__(self, "_first", first)
         object.__setattr__(self, "_source_name", type(source).__name__)
+        object.__setattr__(self, "_fake", any(is_fake(p) for p in source.parameters()))
 
     @property
     def plan(self) -> Plan:
@@ -143,6 +146,12 @@ class RematModule(nn.Module):
         return inputs[int(key)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fake:
+            raise RuntimeError(
+                f"this remat module of {self._source_name} was planned with fake tensors "
+                "(remat.fake_mode()): it carries a plan (.plan) but has no data to run; build "
+                "the model outside fake_mode to train it"
+            )
         compiled = self._compiled_for(args, kwargs)
         inputs = compiled.captured.inputs.flatten(args, kwargs)
         ex = compiled.executor

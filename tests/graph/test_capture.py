@@ -1,0 +1,129 @@
+"""Capture: output structures, kwargs, fallbacks, and the errors a user sees."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.graph.capture import CaptureError, capture
+from remat.graph.joint import build_joint
+from remat.graph.problem import build_problem
+from remat.pipeline import fixed_plan
+from remat.rewrite.executor import build_executor
+from remat.rewrite.module import Compiled, RematModule, signature
+
+
+class DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> dict[str, object]:
+        y = self.lin(x) * scale
+        return {"y": y, "sum": y.sum(), "note": "constant", "n": 3}
+
+
+def test_dict_output_with_constants_is_rebuilt() -> None:
+    model = DictOut()
+    x = torch.randn(2, 4)
+    fast = remat.optimize(model, x, example_kwargs={"scale": 2.0})
+    out = fast(x, scale=2.0)
+    ref = model(x, scale=2.0)
+    assert set(out) == {"y", "sum", "note", "n"}
+    assert out["note"] == "constant" and out["n"] == 3
+    assert torch.equal(out["y"], ref["y"]) and torch.equal(out["sum"], ref["sum"])
+
+
+def test_hf_model_output_and_use_cache_default() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 64, (1, 8))
+    fast = remat.optimize(model, ids)
+    out = fast(ids)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert out.past_key_values is None  # use_cache=False was passed for training
+    assert torch.equal(out.logits, model(ids, use_cache=False).logits)
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_symbolic_trace_path_gives_the_same_training() -> None:
+    model = Plain()
+    x = torch.randn(3, 6)
+    traced = capture(model, (x,), method="symbolic_trace")
+    assert traced.method == "symbolic_trace"
+    assert capture(model, (x,)).method == "export"
+    joint = build_joint(traced)
+    problem = build_problem(joint)
+    plan = fixed_plan(problem, "keep_inputs")
+    ex = build_executor(joint, problem, plan)
+    fast = RematModule(model, Compiled(traced, ex), signature((x,), {}), planner=None)  # type: ignore[arg-type]
+    twin = copy.deepcopy(model)
+    out = fast(x)
+    out.backward(torch.ones_like(out))
+    ref = twin(x)
+    ref.backward(torch.ones_like(ref))
+    assert torch.equal(out, ref)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:  # data-dependent control flow: untraceable
+            return y * 2
+        return y
+
+
+def test_untraceable_model_names_the_source_line_and_a_fix() -> None:
+    with pytest.raises(CaptureError) as err:
+        remat.optimize(Branchy(), torch.randn(2, 4))
+    msg = str(err.value)
+    assert "Branchy" in msg
+    assert "test_capture.py" in msg and "if y.sum() > 0" in msg
+    assert "what to try" in msg
+
+
+def test_no_trainable_parameters() -> None:
+    model = Plain().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        remat.optimize(model, torch.randn(3, 6))
+
+
+def test_non_tensor_example_input() -> None:
+    with pytest.raises(ValueError, match="example input 1 is a int"):
+        remat.optimize(Plain(), (torch.randn(3, 6), 4))
+    with pytest.raises(ValueError, match="tensor or a tuple of tensors"):
+        remat.optimize(Plain(), [[1.0, 2.0]][0][0])
+
+
+class NoTensorOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> str:
+        return "nothing"
+
+
+def test_output_without_tensor() -> None:
+    with pytest.raises(ValueError, match="returned no tensor"):
+        remat.optimize(NoTensorOut(), torch.randn(1, 2))

@@ -1,0 +1,42 @@
+"""The live-storage meter counts exactly what is allocated during the step, nothing else."""
+
+from __future__ import annotations
+
+import torch
+
+from remat.meter import LiveMemoryMeter, allocator_peak_bytes
+
+
+def test_counts_new_storages_and_frees() -> None:
+    pre = torch.randn(1024)  # exists before: never charged
+    with LiveMemoryMeter() as m:
+        a = torch.empty(1000, dtype=torch.float32)  # 4,000 B
+        v = a.view(10, 100)  # a view: free
+        b = pre * 2  # 4,096 B
+        del a
+        assert m.live_bytes == 8096  # v still holds a's storage
+        del v
+        assert m.live_bytes == 4096
+        c = pre.t() if pre.dim() == 2 else pre.view(32, 32)  # view of a pre-existing storage
+        assert m.live_bytes == 4096
+        del b, c
+    assert m.live_bytes == 0
+    assert m.peak_bytes == 8096
+
+
+def test_peak_is_taken_when_outputs_exist_beside_inputs() -> None:
+    with LiveMemoryMeter() as m:
+        x = torch.ones(256)  # 1 KiB
+        y = x + 1  # 1 KiB more while x is alive
+        del x, y
+        z = torch.ones(128)
+        del z
+    assert m.peak_bytes == 2048
+
+
+def test_allocator_meter_sees_at_least_the_tensors() -> None:
+    def step() -> None:
+        x = torch.ones(1 << 16)
+        (x * 2).sum()
+
+    assert allocator_peak_bytes(step) >= 2 * 4 * (1 << 16)
