@@ -11,12 +11,14 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from remat.meter import allocator_peak_bytes, training_step
 from remat.models import TinyGPT
 from remat.solver.fixed import FIXED_PLANS
 from remat.verify import verify
@@ -24,6 +26,14 @@ from remat.verify import verify
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f}"
+
+
+def _step_without_grads(module: torch.nn.Module, tokens: torch.Tensor) -> None:
+    for p in module.parameters():
+        p.grad = None
+    training_step(module, (tokens,))
+    for p in module.parameters():
+        p.grad = None
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -49,6 +59,7 @@ def demo(args: argparse.Namespace) -> int:
         "plan",
         "predicted",
         "measured",
+        "allocator",
         "eager",
         "saved",
         "recomputed",
@@ -66,6 +77,7 @@ def demo(args: argparse.Namespace) -> int:
             elapsed = time.perf_counter() - t0
         plan = result.module.plan
         step = result.steps[-1]
+        alloc = allocator_peak_bytes(partial(_step_without_grads, result.module, tokens))
         sim = plan.simulation
         exact = step.measured_peak_bytes == step.predicted_peak_bytes
         ok &= result.equal
@@ -73,6 +85,7 @@ def demo(args: argparse.Namespace) -> int:
             name,
             _mib(step.predicted_peak_bytes),
             ("[green]" if exact else "[yellow]") + _mib(step.measured_peak_bytes),
+            _mib(alloc),
             _mib(step.eager_peak_bytes),
             _mib(plan.saved_bytes),
             str(len(plan.recomputed)),
@@ -84,7 +97,8 @@ def demo(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(
         "predicted: remat's simulation of its executor. measured: the live-storage meter on "
-        "this run. eager: the same meter on the unmodified model. saved: bytes the forward "
+        "this run. allocator: the CPU allocator's peak (profiler; adds kernel scratch). "
+        "eager: the live-storage meter on the unmodified model. saved: bytes the forward "
         "leaves to the backward. recomputed: ops (and their GFLOP) the backward re-runs. "
         "overhead: recompute time / step time on the 'cpu' roofline profile. vs eager: "
         f"outputs, gradients, parameters and buffers bitwise equal over {args.steps} AdamW "

@@ -46,7 +46,7 @@ class Verification:
         return [m for s in self.steps for m in s.mismatches]
 
 
-def _compare(ref: nn.Module, fast: nn.Module, outs: Any, fast_outs: Any, step: int) -> list[str]:
+def compare(ref: nn.Module, fast: nn.Module, outs: Any, fast_outs: Any, step: int) -> list[str]:
     bad = []
     if len(outs) != len(fast_outs):
         return [f"step {step}: {len(fast_outs)} outputs instead of {len(outs)}"]
@@ -99,7 +99,7 @@ def verify(
         eager = measure_step(ref, args, kwargs, seed=step)
         torch.manual_seed(1000 + step)
         measured = measure_step(fast, args, kwargs, seed=step)
-        bad = _compare(ref, fast, eager.outputs, measured.outputs, step)
+        bad = compare(ref, fast, eager.outputs, measured.outputs, step)
         opt_ref.step()
         opt_fast.step()
         checks.append(

@@ -101,12 +101,31 @@ def input_layout(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
                 f"example input {i} is a {type(a).__name__}, not a tensor; pass non-tensor "
                 "arguments as keyword arguments (they are treated as constants)"
             )
+    named = [(f"example input {i}", a) for i, a in enumerate(args)]
+    named += [(f"keyword input {k!r}", v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    named += [(f"parameter {n!r}", p) for n, p in model.named_parameters()]
+    named += [(f"buffer {n!r}", b) for n, b in model.named_buffers()]
+    for what, t in named:
+        _check_tensor(what, t)
     tensor_kwargs = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     if "use_cache" not in kwargs and _accepts(model, "use_cache"):
         # A KV cache is inference machinery: in training it is pure memory and graph noise.
         constants["use_cache"] = False
     return InputLayout(len(args), tensor_kwargs, constants)
+
+
+def _check_tensor(what: str, t: torch.Tensor) -> None:
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+        raise ValueError(
+            f"{what} is a {t.layout} {'quantized ' if t.is_quantized else ''}tensor; remat plans "
+            "dense (strided) tensors only"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{what} is on the meta device, whose backward traces as empty; to plan a model "
+            "too large for this machine, build it and its inputs under remat.fake_mode()"
+        )
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
@@ -181,6 +200,7 @@ def _strip_asserts(gm: torch.fx.GraphModule) -> None:
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(__file__))
+_STDLIB_DIR = os.path.dirname(os.__file__)
 
 
 def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
@@ -192,9 +212,7 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
         seen.add(id(e))
         for frame in traceback.extract_tb(e.__traceback__):
             f = os.path.abspath(frame.filename)
-            if f.startswith((_TORCH_DIR, _OWN_DIR)) or "<" in frame.filename:
-                continue
-            if "site-packages" in f and "transformers" not in f:
+            if f.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB_DIR)) or "<" in frame.filename:
                 continue
             best = frame
         e = e.__cause__ or e.__context__

@@ -127,3 +127,15 @@ class NoTensorOut(nn.Module):
 def test_output_without_tensor() -> None:
     with pytest.raises(ValueError, match="returned no tensor"):
         remat.optimize(NoTensorOut(), torch.randn(1, 2))
+
+
+def test_meta_device_points_to_fake_mode() -> None:
+    with torch.device("meta"):
+        model = Plain()
+    with pytest.raises(ValueError, match="remat.fake_mode"):
+        remat.optimize(model, torch.randn(3, 6, device="meta"))
+
+
+def test_sparse_input_is_rejected() -> None:
+    with pytest.raises(ValueError, match="dense"):
+        remat.optimize(Plain(), torch.randn(3, 6).to_sparse())
