@@ -12,6 +12,7 @@ from remat.graph.profiles import DeviceProfile
 from remat.pipeline import analyze, choose_plan
 from remat.rewrite.executor import build_executor
 from remat.rewrite.module import Compiled, RematModule, signature
+from remat.solver.config import SolverConfig
 from remat.solver.plan import Plan
 
 
@@ -34,6 +35,8 @@ def optimize(
     solver: str | None = None,
     activation_budget_bytes: int | None = None,
     device_profile: str | DeviceProfile = "cpu",
+    time_limit_s: float = 60.0,
+    block_types: tuple[str, ...] = (),
 ) -> RematModule:
     """Plan which activations ``model`` keeps for its backward and return a module that trains
     exactly like it (same outputs and gradients) with the plan's memory peak.
@@ -45,18 +48,22 @@ def optimize(
         example_kwargs: keyword arguments of the forward (tensors or constants such as
             ``use_cache=False``; ``use_cache`` defaults to False when the forward accepts it).
         plan: ``"keep_all"``, ``"keep_inputs"``, ``"keep_matmuls"``, or a :class:`Plan`.
-        solver: how to meet ``activation_budget_bytes``; ``"fixed"`` (the default when a
-            budget is given) picks the cheapest fixed plan that fits.
+        solver: a name from ``remat.solver.registry.SOLVERS`` or ``"auto"`` (the default): the
+            plan with the least recompute time, among all solvers, that fits the budget.
         activation_budget_bytes: bound on ``plan.predicted_peak_bytes``, the peak memory
             allocated during one training step (activations, output gradients, parameter
-            gradients; not parameters or optimizer state).
+            gradients; not parameters or optimizer state). Without it: keep everything.
+            Too small a budget raises :class:`remat.BudgetError` stating the least peak found.
         device_profile: cost model for recompute time (``cpu``, ``a100``, ``h100``, ``h200``).
+        time_limit_s: wall-clock limit of optimizing solvers.
+        block_types: module class names or path patterns the ``block`` baseline checkpoints.
 
     The model may be built under ``remat.fake_mode()`` to plan shapes larger than this
     machine: the returned module then carries a plan but cannot run.
     """
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
+    config = SolverConfig(time_limit_s=time_limit_s, block_types=tuple(block_types))
 
     def planner(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Compiled:
         analysis = analyze(src, a, kw, device_profile=device_profile)
@@ -65,6 +72,7 @@ def optimize(
             plan=plan,
             solver=solver,
             activation_budget_bytes=activation_budget_bytes,
+            config=config,
         )
         return Compiled(analysis.captured, build_executor(analysis.joint, analysis.problem, chosen))
 

@@ -53,6 +53,11 @@ class Value:
     random: bool = False
     """Draws random numbers (or projects a random op's tuple): never recomputed."""
     module_path: str = ""
+    module_stack: tuple[tuple[str, str], ...] = ()
+    """Enclosing modules, outermost first, as (path, class name); backward ops inherit the
+    stack of the forward op they differentiate."""
+    shape: tuple[int, ...] = ()
+    """Shape of the (first) tensor this value holds; empty for scalars and non-tensors."""
 
     def __post_init__(self) -> None:
         if not set(self.allocates) <= set(self.storages):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import remat
 from remat.solver.fixed import FIXED_PLANS
+from remat.solver.registry import solve
 from tests.checks import assert_trains_like_eager
 from tests.zoo import ZOO, Case
 
@@ -16,3 +18,41 @@ def test_plan_trains_bitwise_and_peak_is_predicted(case: Case, plan: str) -> Non
     torch.manual_seed(0)
     result = assert_trains_like_eager(case.build(), case.inputs(), case.kwargs, plan=plan)
     assert result.module.plan.solver == plan
+
+
+BLOCKLESS = {"tied"}  # the others have a ModuleList or Sequential
+
+
+@pytest.mark.parametrize("solver", ["block", "megatron", "chen_sqrt", "chen_greedy"])
+@pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
+def test_solver_trains_bitwise_and_peak_is_predicted(case: Case, solver: str) -> None:
+    torch.manual_seed(0)
+    if solver == "block" and case.name in BLOCKLESS:
+        with pytest.raises(ValueError, match="no repeated blocks"):
+            remat.optimize(case.build(), case.inputs(), example_kwargs=case.kwargs, solver=solver)
+        return
+    result = assert_trains_like_eager(
+        case.build(), case.inputs(), case.kwargs, steps=2, solver=solver
+    )
+    assert result.module.plan.solver == solver
+
+
+@pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
+def test_auto_between_least_and_keep_all(case: Case) -> None:
+    """At budgets spread between the least peak found and keep_all's, auto fits and is exact."""
+    torch.manual_seed(0)
+    model = case.build()
+    problem = remat.analyze(model, case.inputs(), case.kwargs).problem
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    with pytest.raises(remat.BudgetError) as err:
+        solve(problem, solver="auto", budget_bytes=0)
+    least = err.value.least_peak_bytes
+    costs = []
+    for k in range(3):
+        budget = least + (keep_all - least) * k // 2
+        result = assert_trains_like_eager(
+            model, case.inputs(), case.kwargs, steps=1, activation_budget_bytes=budget
+        )
+        assert result.module.plan.predicted_peak_bytes <= budget
+        costs.append(result.module.plan.recompute_time_s)
+    assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"

@@ -12,6 +12,8 @@ autograd's input buffer sums them in eager mode.
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +133,7 @@ def build_joint(captured: Captured) -> JointGraph:
             total.meta["partitioner_tag"] = "is_backward"
         grad_pairs.append((total.name, grad_of[target_name]))
 
+    _split_dropout(graph)
     names = {n.name: n for n in graph.nodes}
     kept = (*user, *(m for m, _ in mutations), *(g for g, _ in grad_pairs))
     output.args = (tuple(names[n] for n in kept),)
@@ -145,6 +148,48 @@ def build_joint(captured: Captured) -> JointGraph:
         grads=tuple(grad_pairs),
         param_aliases=tuple((k, *v) for k, v in aliases.items()),
     )
+
+
+def _split_dropout(graph: torch.fx.Graph) -> None:
+    """Rewrite ``native_dropout(x, p, True)`` as a random bool mask and a deterministic product.
+
+    The fused op makes its *output* random too, so a plan would have to save it (4 bytes per
+    element) besides the mask. Split, only the mask (1 byte per element) must be saved and the
+    output can be recomputed as ``x * mask * (1 / (1 - p))``. On CPU this draws the same random
+    numbers in the same order and gives bitwise-identical values (checked by the zoo tests).
+    """
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.target is not aten.native_dropout.default:
+            continue
+        x, p = node.args[0], node.args[1]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        if not train or not isinstance(p, float) or not 0.0 < p < 1.0:
+            continue
+        parts = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if len(parts) != len(node.users):
+            continue
+        mode = getattr(x.meta["val"], "fake_mode", None)
+        with graph.inserting_before(node):
+            empty = graph.call_function(aten.empty_like.default, (x,), {"dtype": torch.bool})
+            mask = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
+            masked = graph.call_function(aten.mul.Tensor, (x, mask))
+            out = graph.call_function(aten.mul.Tensor, (masked, 1.0 / (1.0 - p)))
+        with mode or contextlib.nullcontext():
+            xv = x.meta["val"]
+            empty.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
+            mask.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
+            masked.meta["val"] = torch.empty_like(xv)
+            out.meta["val"] = torch.empty_like(xv)
+        for new in (empty, mask, masked, out):
+            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+            new.meta["seq_nr"] = node.meta.get("seq_nr")
+            new.meta["partitioner_tag"] = node.meta.get("partitioner_tag")
+        for index, replacement in ((0, out), (1, mask)):
+            if index in parts:
+                parts[index].replace_all_uses_with(replacement)
+                graph.erase_node(parts[index])
+        graph.erase_node(node)
 
 
 def _position(graph: torch.fx.Graph) -> Any:

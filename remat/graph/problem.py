@@ -46,13 +46,25 @@ def _is_random(node: torch.fx.Node) -> bool:
     return False
 
 
-def _module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    path = str(path).removeprefix("model.").removeprefix("model")
-    return path.lstrip(".")
+def _module_stack(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
+    """(path, class name) of the enclosing modules, outermost first, without the wrapper."""
+    out = []
+    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+        path = str(path).removeprefix("model").lstrip(".")
+        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+        if path:
+            out.append((path, name))
+    return tuple(out)
+
+
+def _shape(val: Any) -> tuple[int, ...]:
+    first = next((t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return ()
+    try:
+        return tuple(int(d) for d in first.shape)
+    except TypeError:  # symbolic sizes
+        return ()
 
 
 def build_problem(
@@ -70,7 +82,7 @@ def build_problem(
     external: set[int] = set()
     backward: set[str] = set()
     random: set[str] = set()
-    path_by_seq: dict[int, str] = {}
+    stack_by_seq: dict[int, tuple[tuple[str, str], ...]] = {}
     values: list[Value] = []
     for node in graph.nodes:
         if node.op == "output":
@@ -104,12 +116,12 @@ def build_problem(
         is_random = _is_random(node) or (node.target is operator.getitem and inputs[0] in random)
         if is_random and role is Role.FORWARD:
             random.add(node.name)
-        path = _module_path(node)
+        stack = _module_stack(node)
         seq = node.meta.get("seq_nr")
-        if role is Role.FORWARD and path and seq is not None:
-            path_by_seq.setdefault(seq, path)
-        elif role is Role.BACKWARD and not path and seq is not None:
-            path = path_by_seq.get(seq, "")
+        if role is Role.FORWARD and stack and seq is not None:
+            stack_by_seq.setdefault(seq, stack)
+        elif role is Role.BACKWARD and not stack and seq is not None:
+            stack = stack_by_seq.get(seq, ())
         flops = node_flops(node)
         values.append(
             Value(
@@ -122,7 +134,9 @@ def build_problem(
                 flops=flops,
                 time_s=node_time(node, flops, is_view, profile),
                 random=is_random,
-                module_path=path,
+                module_path=stack[-1][0] if stack else "",
+                module_stack=stack,
+                shape=_shape(node.meta.get("val")),
             )
         )
     return Problem(

@@ -1,10 +1,10 @@
 """Three fixed plans that exercise the executor end to end.
 
 * ``keep_all``: save every forward value the backward reads: what eager autograd keeps.
-* ``keep_inputs``: save nothing but what must be saved (outputs of random ops); the backward
-  recomputes the rest. Under the executor's recompute-once rule every recomputed value stays
-  alive until its last use, so this minimises what crosses from forward to backward, not the
-  backward's peak.
+* ``keep_inputs``: save nothing but what must be saved (dropout masks); the backward recomputes
+  the rest. Under the executor's recompute-once rule the first backward op recomputes the whole
+  forward and every value then stays alive until its last use, so this minimises what crosses
+  from forward to backward, not the backward's peak (which is then about keep_all's).
 * ``keep_matmuls``: save the outputs of matmul, convolution and attention kernels (the expensive
   ops) and recompute the cheap ops between them.
 """
@@ -30,7 +30,8 @@ MATMUL_OPS = frozenset(
 )
 
 
-def _random(problem: Problem) -> dict[str, str]:
+def must_save(problem: Problem) -> dict[str, str]:
+    """Outputs of random ops: recomputing them would draw fresh random numbers."""
     return {
         v.name: "saved: random op output (never recomputed)"
         for v in problem.values
@@ -40,11 +41,11 @@ def _random(problem: Problem) -> dict[str, str]:
 
 def _keep_all(problem: Problem) -> dict[str, str]:
     out = {n: "saved: read by the backward (keep everything)" for n in problem.backward_reads}
-    return out | _random(problem)
+    return out | must_save(problem)
 
 
 def _keep_inputs(problem: Problem) -> dict[str, str]:
-    return _random(problem)
+    return must_save(problem)
 
 
 def _keep_matmuls(problem: Problem) -> dict[str, str]:
@@ -56,7 +57,7 @@ def _keep_matmuls(problem: Problem) -> dict[str, str]:
         producer = values[v.inputs[0]] if v.op == "getitem" and v.inputs else v
         if producer.op in MATMUL_OPS:
             out[v.name] = f"saved: output of {producer.op.split('.')[1]}"
-    return out | _random(problem)
+    return out | must_save(problem)
 
 
 FIXED_PLANS: Mapping[str, Callable[[Problem], dict[str, str]]] = {

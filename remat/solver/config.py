@@ -1,0 +1,38 @@
+"""Configuration every solver receives, and the error a budget too small raises."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class BudgetError(ValueError):
+    """No plan fits the requested budget; the message states the least feasible peak."""
+
+    def __init__(self, budget_bytes: int, least_peak_bytes: int, detail: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.least_peak_bytes = least_peak_bytes
+        super().__init__(
+            f"activation budget {budget_bytes:,} B ({budget_bytes / 2**30:.3f} GiB) is below the "
+            f"least feasible peak {least_peak_bytes:,} B ({least_peak_bytes / 2**30:.3f} GiB)"
+            + (f" ({detail})" if detail else "")
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverConfig:
+    time_limit_s: float = 60.0
+    """Wall-clock limit of an optimizing solver; it returns its best plan and proven gap."""
+    backend: str = "auto"
+    """MILP backend: ``highs``, ``cbc`` or ``auto`` (HiGHS when installed)."""
+    block_types: tuple[str, ...] = ()
+    """Module class names (e.g. ``GPT2Block``) or paths with ``*`` (e.g. ``layers.*``) that the
+    block baseline checkpoints; empty: the repeated children of the largest ModuleList."""
+    progress: Callable[[str], None] | None = None
+    """Called with a short status line during long solves."""
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s <= 0:
+            raise ValueError("time_limit_s must be positive")
+        if self.backend not in ("auto", "highs", "cbc"):
+            raise ValueError(f"unknown MILP backend {self.backend!r}; valid: auto, highs, cbc")

@@ -1,0 +1,100 @@
+"""Every solver under one name and one signature.
+
+``solve(problem, *, budget_bytes, config) -> Plan``. Rule-based baselines ignore the budget and
+:func:`solve` checks their plan fits; optimizing solvers use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from remat.problem import Problem
+from remat.solver.baselines import (
+    block_checkpoint,
+    keep_all,
+    keep_inputs,
+    keep_matmuls,
+    megatron_selective,
+)
+from remat.solver.chen import chen_greedy, chen_sqrt
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Plan
+
+SolverFn = Callable[..., Plan]
+"""``fn(problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan``."""
+
+SOLVERS: Mapping[str, SolverFn] = {
+    "keep_all": keep_all,
+    "keep_inputs": keep_inputs,
+    "keep_matmuls": keep_matmuls,
+    "block": block_checkpoint,
+    "megatron": megatron_selective,
+    "chen_sqrt": chen_sqrt,
+    "chen_greedy": chen_greedy,
+}
+
+
+def get_solver(name: str) -> SolverFn:
+    try:
+        return SOLVERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown solver {name!r}; valid solvers: {', '.join(sorted(SOLVERS))}, auto"
+        ) from None
+
+
+def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    """The cheapest plan (least recompute time) among all solvers that fits the budget."""
+    if budget_bytes is None:
+        plan = keep_all(problem, budget_bytes=None, config=config)
+        return _with_reason(plan, "auto", "no budget given: keep everything (no recomputation)")
+    fitting: list[Plan] = []
+    least_peak: int | None = None
+    for name, fn in SOLVERS.items():
+        if config.progress:
+            config.progress(f"auto: trying {name}")
+        try:
+            plan = fn(problem, budget_bytes=budget_bytes, config=config)
+        except BudgetError as e:
+            peak = e.least_peak_bytes
+        except ValueError:  # a baseline that does not apply (e.g. no blocks to checkpoint)
+            continue
+        else:
+            peak = plan.predicted_peak_bytes
+            if peak <= budget_bytes:
+                fitting.append(plan)
+        least_peak = peak if least_peak is None else min(least_peak, peak)
+    if not fitting:
+        assert least_peak is not None, "keep_all always applies"
+        raise BudgetError(budget_bytes, least_peak, "the least peak any solver reached")
+    fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
+    best = fitting[0]
+    return _with_reason(
+        best,
+        f"auto:{best.solver}",
+        f"least recompute time among the {len(fitting)} of {len(SOLVERS)} solvers whose plan "
+        f"fits ({', '.join(p.solver for p in fitting)}); {best.reason}",
+    )
+
+
+def _with_reason(plan: Plan, solver: str, reason: str) -> Plan:
+    return dataclasses.replace(plan, solver=solver, reason=reason)
+
+
+def solve(
+    problem: Problem,
+    *,
+    solver: str,
+    budget_bytes: int | None,
+    config: SolverConfig | None = None,
+) -> Plan:
+    """Run one solver; raises :class:`BudgetError` if its plan does not fit ``budget_bytes``."""
+    if budget_bytes is not None and budget_bytes < 0:
+        raise ValueError("the budget must be >= 0 bytes")
+    config = config or SolverConfig()
+    fn = solve_auto if solver == "auto" else get_solver(solver)
+    plan = fn(problem, budget_bytes=budget_bytes, config=config)
+    if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
+        raise BudgetError(budget_bytes, plan.predicted_peak_bytes, f"the peak of {solver}'s plan")
+    return plan
