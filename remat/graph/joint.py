@@ -178,9 +178,13 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
         with mode or contextlib.nullcontext():
             xv = x.meta["val"]
             empty.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
-            mask.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
             masked.meta["val"] = torch.empty_like(xv)
-            out.meta["val"] = torch.empty_like(xv)
+            # Reuse the fused op's fake outputs: downstream views share their fake storages,
+            # which is how the problem knows those views allocate nothing.
+            mask.meta["val"] = (
+                parts[1].meta["val"] if 1 in parts else torch.empty_like(xv, dtype=torch.bool)
+            )
+            out.meta["val"] = parts[0].meta["val"] if 0 in parts else torch.empty_like(xv)
         for new in (empty, mask, masked, out):
             new.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
             new.meta["seq_nr"] = node.meta.get("seq_nr")
