@@ -7,6 +7,7 @@ import torch
 
 import remat
 from remat.solver.fixed import FIXED_PLANS
+from remat.solver.config import SolverConfig
 from remat.solver.registry import solve
 from tests.checks import assert_trains_like_eager
 from tests.zoo import ZOO, Case
@@ -20,6 +21,7 @@ def test_plan_trains_bitwise_and_peak_is_predicted(case: Case, plan: str) -> Non
     assert result.module.plan.solver == plan
 
 
+LIMIT = 10.0  # seconds per exact MILP solve: the warm start keeps a plan if time runs out
 BLOCKLESS = {"tied"}  # the others have a ModuleList or Sequential
 
 
@@ -45,13 +47,18 @@ def test_auto_between_least_and_keep_all(case: Case) -> None:
     problem = remat.analyze(model, case.inputs(), case.kwargs).problem
     keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
     with pytest.raises(remat.BudgetError) as err:
-        solve(problem, solver="auto", budget_bytes=0)
+        solve(problem, solver="auto", budget_bytes=0, config=SolverConfig(time_limit_s=LIMIT))
     least = err.value.least_peak_bytes
     costs = []
     for k in range(3):
         budget = least + (keep_all - least) * k // 2
         result = assert_trains_like_eager(
-            model, case.inputs(), case.kwargs, steps=1, activation_budget_bytes=budget
+            model,
+            case.inputs(),
+            case.kwargs,
+            steps=1,
+            activation_budget_bytes=budget,
+            time_limit_s=LIMIT,
         )
         assert result.module.plan.predicted_peak_bytes <= budget
         costs.append(result.module.plan.recompute_time_s)

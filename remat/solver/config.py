@@ -7,14 +7,23 @@ from dataclasses import dataclass
 
 
 class BudgetError(ValueError):
-    """No plan fits the requested budget; the message states the least feasible peak."""
+    """No plan fits the requested budget; the message states the least feasible peak.
 
-    def __init__(self, budget_bytes: int, least_peak_bytes: int, detail: str = "") -> None:
+    ``least_peak_bytes`` is the least peak of a plan remat found (a budget of that size works)
+    unless ``achievable`` is False: then it is only a proven lower bound (the exact solver ran
+    out of time and no heuristic plan was at hand).
+    """
+
+    def __init__(
+        self, budget_bytes: int, least_peak_bytes: int, detail: str = "", *, achievable: bool = True
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.least_peak_bytes = least_peak_bytes
+        self.achievable = achievable
+        what = "the least feasible peak" if achievable else "a lower bound on every plan's peak"
         super().__init__(
-            f"activation budget {budget_bytes:,} B ({budget_bytes / 2**30:.3f} GiB) is below the "
-            f"least feasible peak {least_peak_bytes:,} B ({least_peak_bytes / 2**30:.3f} GiB)"
+            f"activation budget {budget_bytes:,} B ({budget_bytes / 2**30:.3f} GiB) is below "
+            f"{what}, {least_peak_bytes:,} B ({least_peak_bytes / 2**30:.3f} GiB)"
             + (f" ({detail})" if detail else "")
         )
 

@@ -19,12 +19,13 @@ from remat.solver.baselines import (
 )
 from remat.solver.chen import chen_greedy, chen_sqrt
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.milp import exact
 from remat.solver.plan import Plan
 
 SolverFn = Callable[..., Plan]
 """``fn(problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan``."""
 
-SOLVERS: Mapping[str, SolverFn] = {
+HEURISTICS: Mapping[str, SolverFn] = {
     "keep_all": keep_all,
     "keep_inputs": keep_inputs,
     "keep_matmuls": keep_matmuls,
@@ -33,6 +34,41 @@ SOLVERS: Mapping[str, SolverFn] = {
     "chen_sqrt": chen_sqrt,
     "chen_greedy": chen_greedy,
 }
+
+
+def _heuristic_plans(
+    problem: Problem, budget_bytes: int | None, config: SolverConfig
+) -> tuple[list[Plan], int | None]:
+    """Every heuristic's plan that fits, and the least peak any of them reached."""
+    fitting: list[Plan] = []
+    least_peak: int | None = None
+    for name, fn in HEURISTICS.items():
+        if config.progress:
+            config.progress(f"trying {name}")
+        try:
+            plan = fn(problem, budget_bytes=budget_bytes, config=config)
+        except BudgetError as e:
+            peak = e.least_peak_bytes
+        except ValueError:  # a baseline that does not apply (e.g. no blocks to checkpoint)
+            continue
+        else:
+            peak = plan.predicted_peak_bytes
+            if budget_bytes is None or peak <= budget_bytes:
+                fitting.append(plan)
+        least_peak = peak if least_peak is None else min(least_peak, peak)
+    fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
+    return fitting, least_peak
+
+
+def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    """The exact MILP, warm-started from the cheapest heuristic plan that fits."""
+    fitting, _ = _heuristic_plans(problem, budget_bytes, config)
+    return exact(
+        problem, budget_bytes=budget_bytes, config=config, start=fitting[0] if fitting else None
+    )
+
+
+SOLVERS: Mapping[str, SolverFn] = {**HEURISTICS, "exact": exact_solver}
 
 
 def get_solver(name: str) -> SolverFn:
@@ -45,36 +81,36 @@ def get_solver(name: str) -> SolverFn:
 
 
 def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
-    """The cheapest plan (least recompute time) among all solvers that fits the budget."""
+    """The exact MILP's plan when it is found in the time limit (warm-started from the best
+    heuristic, so never worse), else the cheapest heuristic plan that fits the budget."""
     if budget_bytes is None:
         plan = keep_all(problem, budget_bytes=None, config=config)
         return _with_reason(plan, "auto", "no budget given: keep everything (no recomputation)")
-    fitting: list[Plan] = []
-    least_peak: int | None = None
-    for name, fn in SOLVERS.items():
-        if config.progress:
-            config.progress(f"auto: trying {name}")
-        try:
-            plan = fn(problem, budget_bytes=budget_bytes, config=config)
-        except BudgetError as e:
-            peak = e.least_peak_bytes
-        except ValueError:  # a baseline that does not apply (e.g. no blocks to checkpoint)
-            continue
-        else:
-            peak = plan.predicted_peak_bytes
-            if peak <= budget_bytes:
-                fitting.append(plan)
-        least_peak = peak if least_peak is None else min(least_peak, peak)
-    if not fitting:
-        assert least_peak is not None, "keep_all always applies"
-        raise BudgetError(budget_bytes, least_peak, "the least peak any solver reached")
-    fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
-    best = fitting[0]
+    fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
+    best = fitting[0] if fitting else None
+    try:
+        found = exact(problem, budget_bytes=budget_bytes, config=config, start=best)
+    except BudgetError as e:
+        known = [x for x in (least_peak, e.least_peak_bytes if e.achievable else None) if x]
+        if known:
+            raise BudgetError(
+                budget_bytes, min(known), "the least peak the exact MILP and heuristics reached"
+            ) from None
+        raise
+    except RuntimeError as e:  # the MILP found nothing in time
+        if best is None:
+            raise BudgetError(budget_bytes, least_peak or 0, f"heuristics only: {e}") from None
+        found = best
+    names = ", ".join(p.solver for p in fitting) or "none"
+    if best is not None and best.recompute_time_s <= found.recompute_time_s:
+        why = f"{best.reason}; the exact MILP found nothing cheaper ({found.reason})"
+        found = best
+    else:
+        why = found.reason
     return _with_reason(
-        best,
-        f"auto:{best.solver}",
-        f"least recompute time among the {len(fitting)} of {len(SOLVERS)} solvers whose plan "
-        f"fits ({', '.join(p.solver for p in fitting)}); {best.reason}",
+        found,
+        f"auto:{found.solver}",
+        f"least recompute time among the heuristics that fit ({names}) and the exact MILP: {why}",
     )
 
 

@@ -1,0 +1,636 @@
+"""The exact MILP over the executor's schedule: least recompute time under a byte budget.
+
+Model (all quantities are those of :mod:`remat.solver.simulate`):
+
+* ``s[v]`` (binary): forward value ``v`` is saved. ``R[v, t]`` (binary): ``v`` is recomputed in
+  backward *stage* ``t``. Stages are the backward ops that read forward values, in the fixed
+  backward order; recomputation only ever happens just before one of them. Each value is
+  available once at most (``s + sum_t R <= 1``), must be available where the backward reads it,
+  and a recomputed value's forward inputs must be available when it is recomputed. Random values
+  are never recomputed.
+* Memory is counted per storage. A storage is live at a moment if one of its holders has been
+  materialised (saved, or recomputed at an earlier or the same stage) and is still to be used
+  (by a later backward op, or by a recomputation at a later moment). Constraints are written at
+  every forward op, at every backward op between stages, and at the moment each stage's backward
+  op allocates: at all of these the model's live bytes equal the simulator's.
+* The moments *inside* a stage, while its recomputations run and eager frees release
+  intermediates, are not written up front (there are values x stages of them). The MILP is
+  therefore a relaxation: its optimum is a lower bound on the true optimum. Its plan is
+  simulated; if a recomputation moment exceeds the budget, that moment's exact constraint is
+  added (a lazy cut) and the MILP solved again. When the simulated plan fits, it is optimal.
+
+Every recomputation the model could want is allowed: ``R[v, t]`` exists for every stage ``t``
+at which some descendant of ``v`` is read. The solver minimises sum of recompute times;
+ties are broken towards fewer saved bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import pulp
+
+try:
+    import highspy
+except ImportError:  # CBC (bundled with pulp) is the fallback
+    highspy = None  # type: ignore[assignment]
+
+from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.fixed import fixed_saved_set
+from remat.solver.plan import Plan, make_plan
+from remat.solver.simulate import Simulation
+
+
+@functools.cache
+def _silence_highs_banner() -> None:
+    """highspy prints a banner to stdout the first time a solver is created in a process."""
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
+    """HiGHS through highspy, started from a known plan (pulp's class has no warm start)."""
+
+    def __init__(self, start: Mapping[pulp.LpVariable, float], **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.start = start
+
+    def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
+        if self.start:
+            index = np.array([v.index for v in self.start], dtype=np.int32)
+            value = np.array(list(self.start.values()), dtype=np.float64)
+            lp.solverModel.setSolution(len(index), index, value)
+        lp.solverModel.run()
+
+
+def _backend(
+    config: SolverConfig, time_limit: float, start: Mapping[pulp.LpVariable, float]
+) -> pulp.LpSolver:
+    if config.backend in ("auto", "highs") and highspy is not None:
+        _silence_highs_banner()
+        return _WarmHiGHS(start, msg=False, timeLimit=time_limit)
+    if config.backend == "highs":
+        raise ValueError("MILP backend 'highs' requested but highspy is not installed")
+    for var, value in start.items():
+        var.setInitialValue(value)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, warmStart=bool(start))
+
+
+def _best_bound(lp: pulp.LpProblem) -> float | None:
+    """The solver's proven lower bound on the objective (HiGHS only)."""
+    model = getattr(lp, "solverModel", None)
+    try:
+        return float(model.getInfo().mip_dual_bound)  # type: ignore[union-attr]
+    except AttributeError:
+        return None
+
+
+class _Model:
+    """The relaxation (without intra-stage moments) plus whatever cuts are added to it."""
+
+    def __init__(self, problem: Problem, budget: int | None) -> None:
+        self.problem = problem
+        values = problem.by_name
+        self.fwd = [v.name for v in problem.values if v.role is Role.FORWARD]
+        self.pos = {n: i for i, n in enumerate(self.fwd)}
+        bw = [v for v in problem.values if v.role is Role.BACKWARD]
+        self.bw_index = {v.name: k for k, v in enumerate(bw)}
+        fwd_set = set(self.fwd)
+        self.stages = [v.name for v in bw if any(i in fwd_set for i in v.inputs)]
+        self.stage_of_op = {n: t for t, n in enumerate(self.stages)}
+        T = len(self.stages)
+        self.T = T
+
+        # Direct backward reads, forward consumers, windows.
+        self.direct: dict[str, set[int]] = {n: set() for n in self.fwd}
+        for t, name in enumerate(self.stages):
+            for i in values[name].inputs:
+                if i in fwd_set:
+                    self.direct[i].add(t)
+        self.consumers: dict[str, list[str]] = {n: [] for n in self.fwd}
+        for n in self.fwd:
+            for i in dict.fromkeys(values[n].inputs):
+                if i in fwd_set:
+                    self.consumers[i].append(n)
+        window: dict[str, set[int]] = {}
+        for n in reversed(self.fwd):
+            w = set(self.direct[n])
+            for c in self.consumers[n]:
+                w |= window[c]
+            window[n] = w
+        self.window = {n: sorted(w) for n, w in window.items()}
+        self.last_direct = {n: max(d) if d else -1 for n, d in self.direct.items()}
+        self.last_possible = {n: max(window[n]) if window[n] else -1 for n in self.fwd}
+
+        # Storages owned by forward values; user outputs' storages are held all step long.
+        self.user_storages = {s for o in problem.user_outputs for s in values[o].storages}
+        self.fwd_storages: dict[str, list[str]] = {}  # storage -> forward holders
+        for n in self.fwd:
+            for s in values[n].storages:
+                if s not in self.user_storages:
+                    self.fwd_storages.setdefault(s, []).append(n)
+        owned_by_fwd = {s for n in self.fwd for s in values[n].allocates}
+        self.fwd_storages = {s: h for s, h in self.fwd_storages.items() if s in owned_by_fwd}
+
+        self._backward_base(bw, fwd_set, owned_by_fwd)
+        self._forward_base(fwd_set)
+        self.lp = pulp.LpProblem("remat", pulp.LpMinimize)
+        self._build(budget)
+
+    # ----------------------------------------------------------------- constants
+    def _backward_base(self, bw: list[Value], fwd_set: set[str], owned_by_fwd: set[str]) -> None:
+        """Plan-independent live bytes at each backward op: tangents, backward values, user
+        outputs; and which forward storages backward values hold (views of forward values)."""
+        p = self.problem
+        values = p.by_name
+        last: dict[str, int] = {}
+        for k, v in enumerate(bw):
+            for i in v.inputs:
+                last[i] = k
+        grads = set(p.grad_outputs)
+        const = p.storages_bytes(self.user_storages) + p.storages_bytes(
+            s for t in p.values if t.role is Role.TANGENT for s in t.storages
+        )
+        holders: dict[str, int] = {}
+        live = const
+        self.bw_base: list[int] = []
+        self.bw_after: list[int] = []
+        self.bw_hold: list[frozenset[str]] = []  # forward storages backward values hold at op k
+        self.bw_hold_after: list[frozenset[str]] = []
+        fwd_held: dict[str, int] = {}
+        for k, v in enumerate(bw):
+            for s in v.storages:
+                if s in owned_by_fwd:
+                    fwd_held[s] = fwd_held.get(s, 0) + 1
+                    continue
+                if s in self.user_storages:
+                    continue
+                if holders.get(s, 0) == 0:
+                    live += p.storage_bytes[s]
+                holders[s] = holders.get(s, 0) + 1
+            self.bw_base.append(live)
+            self.bw_hold.append(frozenset(s for s, c in fwd_held.items() if c))
+            dead = [i for i in v.inputs if last.get(i) == k and values[i].role is Role.BACKWARD]
+            if v.name not in last and v.name not in grads:
+                dead.append(v.name)
+            for d in dead:
+                if d in grads:
+                    continue
+                for s in values[d].storages:
+                    if s in owned_by_fwd:
+                        fwd_held[s] -= 1
+                        continue
+                    if s in self.user_storages:
+                        continue
+                    holders[s] -= 1
+                    if holders[s] == 0:
+                        live -= p.storage_bytes[s]
+            self.bw_after.append(live)
+            self.bw_hold_after.append(frozenset(s for s, c in fwd_held.items() if c))
+        self.n_bw = len(bw)
+        self.stage_k = [self.bw_index[n] for n in self.stages]
+        # The backward ops strictly between two stages (the gaps): the largest base for each
+        # set of forward storages backward values hold there; and the live base right before
+        # each stage's recomputations start.
+        self.gap_max: list[dict[frozenset[str], int]] = []
+        self.pre_base: list[int] = []
+        self.pre_hold: list[frozenset[str]] = []
+        prev = -1
+        start = const  # tangents allocated, outputs held: the "output gradients" moment
+        for t in range(self.T):
+            k = self.stage_k[t]
+            gap: dict[frozenset[str], int] = {frozenset(): start} if t == 0 else {}
+            for kk in range(prev + 1, k):
+                held = self.bw_hold[kk]
+                gap[held] = max(gap.get(held, 0), self.bw_base[kk])
+            self.gap_max.append(gap)
+            self.pre_base.append(self.bw_after[k - 1] if k > 0 else start)
+            self.pre_hold.append(self.bw_hold_after[k - 1] if k > 0 else frozenset())
+            prev = k
+        self.tail_max = max(self.bw_base[prev + 1 :], default=0)
+
+    def _forward_base(self, fwd_set: set[str]) -> None:
+        """Live bytes along the forward when nothing is saved, and each core storage's death."""
+        p = self.problem
+        values = p.by_name
+        keep = set(p.user_outputs) | set(p.mutation_outputs)
+        targets = keep | {n for n in self.fwd if values[n].random}
+        core: set[str] = set()
+        for n in reversed(self.fwd):
+            if n in targets:
+                core.add(n)
+                targets.update(values[n].inputs)
+        self.core = core
+        last: dict[str, int] = {}
+        for n in self.fwd:
+            if n in core:
+                for i in values[n].inputs:
+                    last[i] = self.pos[n]
+        end = len(self.fwd)
+        for n in keep:
+            last[n] = end
+        self.death: dict[str, int] = {}
+        for s, holders in self.fwd_storages.items():
+            core_holders = [h for h in holders if h in core]
+            if core_holders:
+                self.death[s] = max(last.get(h, self.pos[h]) for h in core_holders)
+        alloc = {s: self.pos[n] for n in self.fwd for s in values[n].allocates}
+        self.alloc_step = alloc
+        self.fw_base: list[int] = []
+        for k, n in enumerate(self.fwd):
+            live = p.storages_bytes(
+                s
+                for s, d in self.death.items()
+                if alloc[s] <= k <= d and (n in core or alloc[s] < k)
+            )
+            live += p.storages_bytes(s for s in self.user_storages if alloc.get(s, end) <= k)
+            self.fw_base.append(live)
+
+    # ----------------------------------------------------------------- model
+    def _var(
+        self,
+        name: str,
+        lowBound: float | None = None,
+        upBound: float | None = None,
+        cat: str = "Continuous",  # noqa: N803
+    ) -> pulp.LpVariable:
+        return self.lp.add_variable(name, lowBound, upBound, cat=cat)
+
+    def _build(self, budget: int | None) -> None:
+        p, lp, T = self.problem, self.lp, self.T
+        values = p.by_name
+        self.budget_var = self._var("peak", lowBound=0) if budget is None else None
+        M = self.budget_var if budget is None else budget
+        self.s = {n: self._var(f"s_{i}", cat="Binary") for i, n in enumerate(self.fwd)}
+        self.R: dict[tuple[str, int], pulp.LpVariable] = {}
+        for i, n in enumerate(self.fwd):
+            if values[n].random:
+                continue
+            for t in self.window[n]:
+                self.R[n, t] = self._var(f"r_{i}_{t}", cat="Binary")
+        self.R_of: dict[str, list[tuple[int, pulp.LpVariable]]] = {n: [] for n in self.fwd}
+        for (n, t), var in self.R.items():
+            self.R_of[n].append((t, var))
+
+        def avail(n: str, t: int, strict: bool = False) -> pulp.LpAffineExpression:
+            """Materialised by stage t (before it if strict)."""
+            if values[n].role in EXTERNAL_ROLES:
+                return pulp.lpSum([]) + 1
+            return self.s[n] + pulp.lpSum(
+                v for tt, v in self.R_of[n] if tt < t or (tt == t and not strict)
+            )
+
+        self.avail = avail
+        for n in self.fwd:
+            lp += self.s[n] + pulp.lpSum(v for _, v in self.R_of[n]) <= 1, f"once_{self.pos[n]}"
+        for t, name in enumerate(self.stages):
+            for u in dict.fromkeys(values[name].inputs):
+                if u in self.pos:
+                    lp += avail(u, t) >= 1, f"read_{t}_{self.pos[u]}"
+        for (n, t), var in self.R.items():
+            for u in dict.fromkeys(values[n].inputs):
+                if u in self.pos:
+                    lp += avail(u, t) >= var, f"dep_{self.pos[n]}_{t}_{self.pos[u]}"
+            # Recompute only where used: with the availability constraints this makes t the
+            # first stage that needs the value, exactly where the executor recomputes it.
+            if t not in self.direct[n]:
+                users = [self.R[c, t] for c in self.consumers[n] if (c, t) in self.R]
+                lp += var <= pulp.lpSum(users), f"need_{self.pos[n]}_{t}"
+
+        # B[h, t]: h is used at stage t or later (1 up to its last direct read).
+        self.B: dict[tuple[str, int], pulp.LpAffineExpression | float] = {}
+        for n in self.fwd:
+            hi = self.last_possible[n]
+            for t in range(hi, self.last_direct[n], -1):
+                var = self._var(f"b_{self.pos[n]}_{t}", lowBound=0, upBound=1)
+                nxt = self.B.get((n, t + 1))
+                if nxt is not None:
+                    lp += var >= nxt
+                for c in self.consumers[n]:
+                    rc = self.R.get((c, t))
+                    if rc is not None:
+                        lp += var >= rc
+                self.B[n, t] = var
+
+        def used_from(n: str, t: int) -> pulp.LpAffineExpression | float:
+            if t <= self.last_direct[n]:
+                return 1.0
+            return self.B.get((n, t), 0.0)
+
+        self.used_from = used_from
+
+        # Storage liveness at each stage's op (b_t) and in the gap before it.
+        total = 0
+        at_op: list[list[tuple[int, pulp.LpVariable]]] = [[] for _ in range(T)]
+        before: list[list[tuple[str, int, pulp.LpVariable]]] = [[] for _ in range(T)]
+        for s, holders in self.fwd_storages.items():
+            nbytes = p.storage_bytes[s]
+            total += nbytes
+            hi = max(self.last_possible[h] for h in holders)
+            for t in range(hi + 1):
+                for kind in ("a", "g"):
+                    terms = []
+                    for h in holders:
+                        if kind == "a":
+                            use = 1.0 if t in self.direct[h] else used_from(h, t + 1)
+                            mat = avail(h, t)
+                        else:
+                            use = used_from(h, t)
+                            mat = avail(h, t, strict=True)
+                        if isinstance(use, float) and use == 0.0:
+                            continue
+                        terms.append(mat + use - 1)
+                    bw_held = kind == "a" and s in self.bw_hold[self.stage_k[t]]
+                    if not terms and not bw_held:
+                        continue
+                    var = self._var(f"{kind}_{_safe(s)}_{t}", lowBound=0, upBound=1)
+                    for term in terms:
+                        lp += var >= term
+                    if bw_held:
+                        lp += var >= 1
+                    if kind == "a":
+                        at_op[t].append((nbytes, var))
+                    else:
+                        before[t].append((s, nbytes, var))
+        self.total_bytes = total + p.storages_bytes(self.user_storages)
+        for t in range(T):
+            lp += (
+                self.bw_base[self.stage_k[t]] + pulp.lpSum(b * v for b, v in at_op[t]) <= M,
+                f"mem_stage_{t}",
+            )
+            for g, (held, base) in enumerate(self.gap_max[t].items()):
+                lp += (
+                    base
+                    + p.storages_bytes(held)
+                    + pulp.lpSum(b * v for s_, b, v in before[t] if s_ not in held)
+                    <= M,
+                    f"mem_gap_{t}_{g}",
+                )
+        if self.tail_max:
+            lp += pulp.lpSum([]) + self.tail_max <= M, "mem_tail"
+
+        # Forward: saved storages outlive their natural death; optional ops run only if saved.
+        S = {s: self._var(f"S_{_safe(s)}", lowBound=0, upBound=1) for s in self.fwd_storages}
+        for s, holders in self.fwd_storages.items():
+            for h in holders:
+                lp += S[s] >= self.s[h]
+        extend_at: dict[int, list[tuple[int, pulp.LpVariable]]] = {}
+        for s, d in self.death.items():
+            extend_at.setdefault(d + 1, []).append((p.storage_bytes[s], S[s]))
+        for n in self.fwd:
+            if n not in self.core:
+                for s in values[n].allocates:
+                    if s in S:
+                        extend_at.setdefault(self.pos[n], []).append((p.storage_bytes[s], S[s]))
+        running: pulp.LpAffineExpression = pulp.lpSum([])
+        for k in range(len(self.fwd)):
+            if k in extend_at:
+                running = running + pulp.lpSum(b * v for b, v in extend_at[k])
+            lp += self.fw_base[k] + running <= M, f"mem_fw_{k}"
+
+        # Ties: recompute as late as possible (where the executor does: at first need) and
+        # nothing needlessly; then save fewer bytes. Weights stay far below any real cost.
+        cost = pulp.lpSum(values[n].time_s * v for (n, _), v in self.R.items())
+        eps = 1e-9 * min([values[n].time_s for n, _ in self.R if values[n].time_s > 0] or [1e-6])
+        late = pulp.lpSum(eps * (1 + (T - t) / (T + 1)) * v for (_, t), v in self.R.items())
+        small = pulp.lpSum(
+            eps
+            * 1e-3
+            * p.storages_bytes(values[n].allocates)
+            / max(1, self.total_bytes)
+            * self.s[n]
+            for n in self.fwd
+        )
+        lp += self.budget_var if budget is None else cost + late + small
+        self.M = M
+        self.cuts = 0
+
+    def add_moment_cut(self, w: str, t: int) -> bool:
+        """Exact live bytes at the moment ``w`` is recomputed in stage ``t`` (eager frees)."""
+        var_w = self.R.get((w, t))
+        if var_w is None:
+            return False
+        p, lp = self.problem, self.lp
+        pw = self.pos[w]
+        terms = []
+        held = self.pre_hold[t]
+        for s, holders in self.fwd_storages.items():
+            if s in held:
+                continue
+            parts = []
+            for h in holders:
+                mat = self.s[h] + pulp.lpSum(
+                    v for tt, v in self.R_of[h] if tt < t or (tt == t and self.pos[h] <= pw)
+                )
+                later = [
+                    self.R[c, t]
+                    for c in self.consumers[h]
+                    if self.pos[c] >= pw and (c, t) in self.R
+                ]
+                use_now = 1.0 if t in self.direct[h] else None
+                nxt = self.used_from(h, t + 1)
+                if (
+                    use_now is None
+                    and not later
+                    and isinstance(nxt, float)
+                    and nxt == 0.0
+                    and h != w
+                ):
+                    continue
+                u = self._var(f"cu{self.cuts}_{self.pos[h]}_{_safe(s)}", lowBound=0, upBound=1)
+                lp += u >= (use_now if use_now is not None else 0)
+                if not isinstance(nxt, float) or nxt:
+                    lp += u >= nxt
+                for r in later:
+                    lp += u >= r
+                if h == w:
+                    lp += u >= var_w
+                parts.append(mat + u - 1)
+            if parts:
+                a = self._var(f"ca{self.cuts}_{_safe(s)}", lowBound=0, upBound=1)
+                for part in parts:
+                    lp += a >= part
+                terms.append((p.storage_bytes[s], a))
+        lp += (
+            self.pre_base[t] + p.storages_bytes(held) + pulp.lpSum(b * a for b, a in terms)
+            <= self.M + self.total_bytes * (1 - var_w),
+            f"cut_{self.cuts}",
+        )
+        self.cuts += 1
+        return True
+
+    def saved(self) -> set[str]:
+        return {n for n, v in self.s.items() if (v.value() or 0) > 0.5}
+
+    def recomputed_at(self) -> dict[str, int]:
+        return {n: t for (n, t), v in self.R.items() if (v.value() or 0) > 0.5}
+
+
+def _violations(
+    model: _Model, sim: Simulation, budget: float, stage_op: Mapping[str, str]
+) -> list[tuple[str, int]]:
+    """(value, stage) of every recomputation moment above the budget, worst first; the stage
+    is the MILP's if it recomputes the value, else the executor's."""
+    chosen = model.recomputed_at()
+    steps = [s for s in sim.timeline if s.recompute and s.allocated_bytes > budget]
+    steps.sort(key=lambda s: -s.allocated_bytes)
+    return [(s.name, chosen.get(s.name, model.stage_of_op[stage_op[s.name]])) for s in steps]
+
+
+def _stage_ops(plan: Plan) -> dict[str, str]:
+    """The backward op each recomputed value is recomputed for (the next non-recompute op)."""
+    out: dict[str, str] = {}
+    pending: list[str] = []
+    rec = set(plan.schedule.recomputed)
+    for name in plan.schedule.backward:
+        if name in rec:
+            pending.append(name)
+        else:
+            for p in pending:
+                out[p] = name
+            pending = []
+    return out
+
+
+def _start(model: _Model, plan: Plan) -> dict[pulp.LpVariable, float]:
+    """Variable values of a plan (saved set and the executor's recompute stages)."""
+    start = {var: 0.0 for var in model.s.values()} | {var: 0.0 for var in model.R.values()}
+    for n in plan.schedule.saved:
+        if n in model.s:
+            start[model.s[n]] = 1.0
+    for n, op in _stage_ops(plan).items():
+        var = model.R.get((n, model.stage_of_op[op]))
+        if var is None:
+            return {}
+        start[var] = 1.0
+    return start
+
+
+def exact(
+    problem: Problem,
+    *,
+    budget_bytes: int | None,
+    config: SolverConfig,
+    start: Plan | None = None,
+) -> Plan:
+    """Least recompute time under ``budget_bytes`` (no budget: keep everything).
+
+    ``start``: a plan to warm-start from (e.g. the best heuristic's); the result is never
+    worse than it when it fits the budget.
+    """
+    keep_all = make_plan(problem, fixed_saved_set(problem, "keep_all"), solver="exact", reason="")
+    if budget_bytes is None or keep_all.predicted_peak_bytes <= budget_bytes:
+        return dataclasses.replace(
+            keep_all, reason="exact: keep_all fits, no recomputation needed (optimal)"
+        )
+    if start is not None and start.predicted_peak_bytes > budget_bytes:
+        start = None
+    return _solve(problem, budget_bytes, config, start)
+
+
+def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) -> Plan:
+    """The plan with the least simulated peak (recompute time not optimised)."""
+    return _solve(problem, None, config, start)
+
+
+def _solve(
+    problem: Problem, budget_bytes: int | None, config: SolverConfig, start: Plan | None
+) -> Plan:
+    t0 = time.perf_counter()
+    deadline = t0 + config.time_limit_s
+    model = _Model(problem, budget_bytes)
+    floor = max([*model.bw_base, *model.fw_base, model.tail_max])
+    what = "least recompute time" if budget_bytes is not None else "least peak"
+    if budget_bytes is not None and budget_bytes < floor:
+        raise _budget_error(problem, budget_bytes, config, floor, start)
+    if model.budget_var is not None:
+        model.budget_var.lowBound = floor
+        if start is not None:
+            if start.predicted_peak_bytes <= floor:
+                return dataclasses.replace(
+                    start,
+                    solver="exact",
+                    reason=f"exact ({what}): {start.solver}'s plan reaches the plan-independent "
+                    "floor (optimal)",
+                )
+            model.budget_var.upBound = start.predicted_peak_bytes
+    rounds = 0
+    while True:
+        rounds += 1
+        if config.progress:
+            config.progress(f"exact MILP round {rounds}: {len(model.R) + len(model.s)} binaries")
+        warm = _start(model, start) if start is not None and rounds == 1 else {}
+        model.lp.solve(_backend(config, max(1.0, deadline - time.perf_counter()), warm))
+        status = pulp.LpStatus[model.lp.status]
+        if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            if budget_bytes is None:
+                raise RuntimeError(f"exact MILP found no plan ({status}) within the time limit")
+            if start is not None:
+                return dataclasses.replace(
+                    start, reason=f"exact MILP found nothing better in time; kept {start.solver}"
+                )
+            raise _budget_error(problem, budget_bytes, config, floor, None)
+        saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
+        plan = make_plan(problem, saved, solver="exact", reason="")
+        sim = plan.simulation
+        target = float(budget_bytes if budget_bytes is not None else pulp.value(model.M))
+        if sim.peak_bytes <= target + 0.5:
+            break
+        added = 0
+        for w, t in _violations(model, sim, target, _stage_ops(plan)):
+            added += model.add_moment_cut(w, t)
+            if added >= 8:
+                break
+        if not added or time.perf_counter() > deadline:
+            raise RuntimeError(
+                "exact MILP: its model and the simulator disagree at a moment no cut covers "
+                f"(simulated {sim.peak_bytes:,} B at {sim.peak_step}, model {target:,.0f} B); "
+                "this is a bug, please report it with the model"
+            )
+    optimal = model.lp.sol_status == pulp.LpSolutionOptimal
+    objective = float(pulp.value(model.lp.objective) or 0.0)
+    bound = objective if optimal else _best_bound(model.lp)
+    proof = (
+        "optimal"
+        if optimal
+        else f"time limit hit, best bound {bound:.4g}"
+        if bound is not None
+        else "time limit hit"
+    )
+    reason = (
+        f"exact MILP ({what}), {proof}, {rounds} round(s), {time.perf_counter() - t0:.1f} s, "
+        f"{len(model.R)} recompute binaries over {model.T} stages"
+    )
+    return make_plan(problem, saved, solver="exact", reason=reason)
+
+
+def _budget_error(
+    problem: Problem, budget: int, config: SolverConfig, floor: int, start: Plan | None
+) -> BudgetError:
+    """The error for a budget no plan meets, with the least peak the MILP proves (or, if it
+    runs out of time, the least known: ``start``'s, else the floor as a lower bound)."""
+    try:
+        least = min_peak(problem, config, start).predicted_peak_bytes
+    except RuntimeError:
+        if start is None:
+            return BudgetError(budget, floor, "exact MILP out of time", achievable=False)
+        least = start.predicted_peak_bytes
+    return BudgetError(budget, least, "exact MILP")
+
+
+def _safe(name: str) -> str:
+    return name.replace("#", "_")

@@ -1,0 +1,83 @@
+"""The exact MILP against exhaustive search: on small graphs every saved set is simulated and
+the cheapest one within the budget must be what the MILP returns."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+
+from remat.problem import Problem, Role
+from remat.solver import make_plan
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.milp import exact, min_peak
+from remat.solver.registry import HEURISTICS, solve
+from remat.solver.schedule import InvalidPlanError
+from tests.solver.test_schedule_properties import problems
+from tests.solver.test_solvers import _layers
+
+CONFIG = SolverConfig(time_limit_s=60)
+
+
+def brute_force(prob: Problem) -> list[tuple[float, int]]:
+    """(recompute time, peak) of every runnable saved set."""
+    random = {v.name for v in prob.values if v.random}
+    free = [v.name for v in prob.values if v.role is Role.FORWARD and not v.random]
+    out = []
+    for k in range(len(free) + 1):
+        for subset in itertools.combinations(free, k):
+            try:
+                plan = make_plan(prob, set(subset) | random, solver="bf", reason="")
+            except InvalidPlanError:
+                continue
+            out.append((plan.recompute_time_s, plan.predicted_peak_bytes))
+    return out
+
+
+def optimum(results: list[tuple[float, int]], budget: int) -> float | None:
+    costs = [c for c, peak in results if peak <= budget]
+    return min(costs) if costs else None
+
+
+def test_layers_match_exhaustive_search_at_every_budget() -> None:
+    prob = _layers(4)
+    results = brute_force(prob)
+    for budget in sorted({peak for _, peak in results}):
+        plan = exact(prob, budget_bytes=budget, config=CONFIG)
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.recompute_time_s == pytest.approx(optimum(results, budget)), budget
+    least = min(peak for _, peak in results)
+    assert min_peak(prob, CONFIG).predicted_peak_bytes == least
+    with pytest.raises(BudgetError) as err:
+        exact(prob, budget_bytes=least - 1, config=CONFIG)
+    assert err.value.least_peak_bytes == least
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_random_dags_match_exhaustive_search(case: tuple[Problem, frozenset[str]]) -> None:
+    prob, _ = case
+    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+        return
+    results = brute_force(prob)
+    least = min(peak for _, peak in results)
+    assert min_peak(prob, CONFIG).predicted_peak_bytes == least
+    for budget in sorted({peak for _, peak in results})[:4]:
+        plan = exact(prob, budget_bytes=budget, config=CONFIG)
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.recompute_time_s == pytest.approx(optimum(results, budget))
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_exact_is_never_worse_than_a_heuristic(case: tuple[Problem, frozenset[str]]) -> None:
+    prob, _ = case
+    for name in HEURISTICS:
+        try:
+            h = solve(prob, solver=name, budget_bytes=None)
+        except ValueError:
+            continue
+        plan = solve(prob, solver="exact", budget_bytes=h.predicted_peak_bytes, config=CONFIG)
+        assert plan.predicted_peak_bytes <= h.predicted_peak_bytes
+        assert plan.recompute_time_s <= h.recompute_time_s + 1e-12
