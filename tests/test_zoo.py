@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import remat
-from remat.solver.fixed import FIXED_PLANS
 from remat.solver.config import SolverConfig
+from remat.solver.fixed import FIXED_PLANS
 from remat.solver.registry import solve
 from tests.checks import assert_trains_like_eager
 from tests.zoo import ZOO, Case
