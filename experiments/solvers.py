@@ -1,0 +1,133 @@
+"""Benchmark (not a test): every solver on GPT-2 at budgets from the least peak to keep-all's.
+
+    python experiments/solvers.py                       # GPT-2 small 12x768, seq 1024, batch 8
+    python experiments/solvers.py --layers 2 --budgets 5 --time-limit 20   # minutes, not hours
+
+Planned under FakeTensorMode with the ``a100`` profile. For each budget and solver: simulated
+peak, recompute time as % of the step, cost relative to the exact MILP's plan, the MILP's proven
+bound, and solve time. Writes experiments/results/solvers_<model>.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import remat
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.registry import HEURISTICS, solve
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--budgets", type=int, default=10)
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args()
+    console = Console(width=150)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with remat.fake_mode():
+        model = GPT2LMHeadModel(
+            GPT2Config(n_layer=args.layers, n_embd=768, n_head=12, n_positions=max(1024, args.seq))
+        )
+        tokens = torch.randint(0, 50257, (args.batch, args.seq))
+    t0 = time.perf_counter()
+    problem = remat.analyze(model, (tokens,), device_profile="a100").problem
+    console.print(
+        f"GPT-2 {args.layers}x768, seq {args.seq}, batch {args.batch}, fp32, a100 profile: "
+        f"{len(problem.values)} joint nodes, analysed in {time.perf_counter() - t0:.1f} s"
+    )
+    config = SolverConfig(time_limit_s=args.time_limit)
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None)
+    least = min(
+        _least(problem, name, config) for name in HEURISTICS
+    )  # the least peak any heuristic reaches
+    step_s = keep_all.simulation.step_time_s
+    budgets = [
+        least + (keep_all.predicted_peak_bytes - least) * k // max(1, args.budgets - 1)
+        for k in range(args.budgets)
+    ]
+    rows = []
+    for budget in budgets:
+        results = {}
+        for name in [*HEURISTICS, "exact"]:
+            t1 = time.perf_counter()
+            try:
+                plan = solve(problem, solver=name, budget_bytes=budget, config=config)
+            except (BudgetError, ValueError):
+                continue
+            results[name] = (plan, time.perf_counter() - t1)
+        exact = results.get("exact")
+        for name, (plan, secs) in results.items():
+            bound = _bound(exact[0].reason) if exact else None
+            rows.append(
+                {
+                    "budget_bytes": budget,
+                    "solver": name,
+                    "peak_bytes": plan.predicted_peak_bytes,
+                    "recompute_pct": 100 * plan.recompute_time_s / step_s,
+                    "vs_exact": (
+                        plan.recompute_time_s / exact[0].recompute_time_s
+                        if exact and exact[0].recompute_time_s > 0
+                        else (1.0 if exact and plan.recompute_time_s == 0 else None)
+                    ),
+                    "exact_bound_pct": 100 * bound / step_s if bound is not None else None,
+                    "solve_s": secs,
+                    "reason": plan.reason,
+                }
+            )
+        console.print(f"budget {budget / 2**30:.2f} GiB: {len(results)} solvers fit")
+    table = Table(title="solvers on GPT-2 (recompute % of the a100 step; x = cost / exact's)")
+    for col in ("budget GiB", "solver", "peak GiB", "recompute %", "x exact", "bound %", "solve s"):
+        table.add_column(col, justify="left" if col == "solver" else "right")
+    for r in rows:
+        table.add_row(
+            f"{r['budget_bytes'] / 2**30:.2f}",
+            r["solver"],
+            f"{r['peak_bytes'] / 2**30:.2f}",
+            f"{r['recompute_pct']:.2f}",
+            "-" if r["vs_exact"] is None else f"{r['vs_exact']:.2f}",
+            "-" if r["exact_bound_pct"] is None else f"{r['exact_bound_pct']:.2f}",
+            f"{r['solve_s']:.1f}",
+        )
+    console.print(table)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"solvers_gpt2_{args.layers}x768_s{args.seq}_b{args.batch}.csv"
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    console.print(f"wrote {out}")
+
+
+def _least(problem: remat.Problem, name: str, config: SolverConfig) -> int:
+    try:
+        return solve(problem, solver=name, budget_bytes=0, config=config).predicted_peak_bytes
+    except BudgetError as e:
+        return e.least_peak_bytes
+    except ValueError:
+        return 1 << 62
+
+
+def _bound(reason: str) -> float | None:
+    """The MILP's proven lower bound on recompute time, from its reason string."""
+    if "optimal" in reason and "not" not in reason and "time limit" not in reason:
+        return None
+    m = re.search(r"best bound ([0-9.eE+-]+)", reason)
+    return float(m.group(1)) if m else None
+
+
+if __name__ == "__main__":
+    main()
