@@ -162,10 +162,10 @@ class _Model:
             for i in v.inputs:
                 last[i] = k
         grads = set(p.grad_outputs)
-        const = p.storages_bytes(self.user_storages) + p.storages_bytes(
-            s for t in p.values if t.role is Role.TANGENT for s in t.storages
-        )
-        holders: dict[str, int] = {}
+        tangent_storages = {s for t in p.values if t.role is Role.TANGENT for s in t.storages}
+        const = p.storages_bytes(self.user_storages) + p.storages_bytes(tangent_storages)
+        # The engine holds the tangents all backward long: views of them add nothing.
+        holders: dict[str, int] = dict.fromkeys(tangent_storages, 1)
         live = const
         self.bw_base: list[int] = []
         self.bw_after: list[int] = []
