@@ -125,8 +125,11 @@ def _bound(reason: str) -> float | None:
     """The MILP's proven lower bound on recompute time, from its reason string."""
     if "optimal" in reason and "not" not in reason and "time limit" not in reason:
         return None
-    m = re.search(r"best bound ([0-9.eE+-]+)", reason)
-    return float(m.group(1)) if m else None
+    m = re.search(r"best bound (\S+?),", reason)
+    try:
+        return float(m.group(1)) if m else None
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

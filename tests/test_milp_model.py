@@ -42,8 +42,8 @@ def test_model_peak_equals_simulated_peak_at_modelled_moments(case: object) -> N
         assert pulp.LpStatus[model.lp.status] == "Optimal", name
         peak = float(pulp.value(model.M))
 
-        def modelled(name: str) -> float:
-            return float(model.lp.get_constraint_by_name(name).value()) + peak
+        def modelled(name: str, lp: pulp.LpProblem = model.lp, peak: float = peak) -> float:
+            return float(lp.get_constraint_by_name(name).value()) + peak
 
         timeline = plan.simulation.timeline
         fw = {s.name: s.allocated_bytes for s in timeline if s.phase == "forward"}

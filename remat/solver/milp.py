@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -604,6 +605,8 @@ def _solve(
     optimal = model.lp.sol_status == pulp.LpSolutionOptimal
     objective = float(pulp.value(model.lp.objective) or 0.0)
     bound = objective if optimal else _best_bound(model.lp)
+    if bound is not None and not math.isfinite(bound):
+        bound = None
     proof = (
         "optimal"
         if optimal
