@@ -25,20 +25,38 @@ from remat.solver.plan import Plan, make_plan
 
 
 def checkpoint_candidates(problem: Problem) -> list[str]:
-    """Articulation points of the forward graph between the inputs and the outputs, in order."""
+    """Articulation points of the forward graph between the inputs and the outputs, in order
+    (over the values that depend on parameters)."""
     values = problem.by_name
+    # Values that depend on no parameter (attention masks, position ids) are broadcast into
+    # every block; counted as edges they would bypass every block boundary. They are left
+    # out, like the parameters themselves.
+    trainable: set[str] = set()
+    for v in problem.values:
+        if v.role is Role.FORWARD and any(
+            values[i].role is Role.PARAM or i in trainable for i in v.inputs
+        ):
+            trainable.add(v.name)
+    # Input-derived values without parameters (a reshaped input_ids, a padding mask) link the
+    # source only to the entry ops (those with no trainable input, e.g. the embeddings).
+    from_input: set[str] = set()
+    for v in problem.values:
+        if v.role is Role.FORWARD and v.name not in trainable and any(
+            values[i].role is Role.INPUT or i in from_input for i in v.inputs
+        ):
+            from_input.add(v.name)
     g = nx.Graph()
     source, sink = "__source__", "__sink__"
     g.add_edge(source, sink)  # keeps the two ends from being cut vertices of a trivial graph
     for v in problem.values:
-        if v.role is not Role.FORWARD:
+        if v.name not in trainable:
             continue
         g.add_node(v.name)
+        entry = not any(i in trainable for i in v.inputs)
         for i in v.inputs:
-            r = values[i].role
-            if r is Role.FORWARD:
+            if i in trainable:
                 g.add_edge(i, v.name)
-            elif r is Role.INPUT:
+            elif entry and (values[i].role is Role.INPUT or i in from_input):
                 g.add_edge(source, v.name)
     for out in problem.user_outputs:
         g.add_edge(out, sink)

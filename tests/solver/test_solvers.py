@@ -105,7 +105,8 @@ def test_chen_candidates_are_the_residual_stream() -> None:
     diamond = problem(
         [
             external("x", Role.INPUT),
-            op("a", Role.FORWARD, ("x",)),
+            external("w"),
+            op("a", Role.FORWARD, ("x", "w")),
             op("b", Role.FORWARD, ("a",)),
             op("c", Role.FORWARD, ("a",)),
             op("d", Role.FORWARD, ("b", "c")),
