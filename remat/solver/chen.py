@@ -41,8 +41,10 @@ def checkpoint_candidates(problem: Problem) -> list[str]:
     # source only to the entry ops (those with no trainable input, e.g. the embeddings).
     from_input: set[str] = set()
     for v in problem.values:
-        if v.role is Role.FORWARD and v.name not in trainable and any(
-            values[i].role is Role.INPUT or i in from_input for i in v.inputs
+        if (
+            v.role is Role.FORWARD
+            and v.name not in trainable
+            and any(values[i].role is Role.INPUT or i in from_input for i in v.inputs)
         ):
             from_input.add(v.name)
     g = nx.Graph()
