@@ -63,3 +63,14 @@ def test_auto_between_least_and_keep_all(case: Case) -> None:
         assert result.module.plan.predicted_peak_bytes <= budget
         costs.append(result.module.plan.recompute_time_s)
     assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"
+
+
+def test_chen_finds_the_block_boundaries_of_hf_gpt2() -> None:
+    """Regression: HF GPT-2 broadcasts a parameter-free causal mask into every block and
+    reshapes input_ids first; neither may hide the residual stream's cut vertices."""
+    from remat.solver.chen import checkpoint_candidates
+
+    case = next(c for c in ZOO if c.name == "hf_gpt2")
+    problem = remat.analyze(case.build(), case.inputs(), case.kwargs).problem
+    adds = [n for n in checkpoint_candidates(problem) if problem.by_name[n].op == "aten.add.Tensor"]
+    assert len(adds) >= 2 * 2  # two residual adds per block, two blocks
