@@ -66,15 +66,15 @@ def split(joint: JointGraph, schedule: Schedule, random_ops: frozenset[str]) -> 
 
     needed_inference: set[str] = set()
     by_name = {n.name: n for n in jgraph.nodes}
-    stack = [*user, *mutations]
     forward_set = set(schedule.forward)
+    stack = [*user, *mutations, *(n for n in schedule.forward if n in random_ops)]
     while stack:
         name = stack.pop()
         if name in needed_inference or name not in forward_set:
             continue
         needed_inference.add(name)
         stack.extend(i.name for i in by_name[name].all_input_nodes)
-    inference_ops = tuple(n for n in schedule.forward if n in needed_inference or n in random_ops)
+    inference_ops = tuple(n for n in schedule.forward if n in needed_inference)
     inf = _forward_graph(joint, inference_ops, (*user, *mutations))
 
     bw = fx.Graph()
