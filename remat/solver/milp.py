@@ -48,6 +48,11 @@ from remat.solver.fixed import fixed_saved_set
 from remat.solver.plan import Plan, make_plan
 from remat.solver.simulate import Simulation
 
+NS = 1e9
+"""The objective is in nanoseconds of recompute time."""
+GAP_REL, GAP_ABS = 1e-7, 1e-2
+"""Optimality tolerances: "optimal" means within 1e-7 relative or 0.01 ns absolute."""
+
 
 @functools.cache
 def _silence_highs_banner() -> None:
@@ -83,12 +88,14 @@ def _backend(
 ) -> pulp.LpSolver:
     if config.backend in ("auto", "highs") and highspy is not None:
         _silence_highs_banner()
-        return _WarmHiGHS(start, msg=False, timeLimit=time_limit)
+        return _WarmHiGHS(start, msg=False, timeLimit=time_limit, gapRel=GAP_REL, gapAbs=GAP_ABS)
     if config.backend == "highs":
         raise ValueError("MILP backend 'highs' requested but highspy is not installed")
     for var, value in start.items():
         var.setInitialValue(value)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, warmStart=bool(start))
+    return pulp.PULP_CBC_CMD(
+        msg=False, timeLimit=time_limit, warmStart=bool(start), gapRel=GAP_REL, gapAbs=GAP_ABS
+    )
 
 
 def _best_bound(lp: pulp.LpProblem) -> float | None:
@@ -403,20 +410,20 @@ class _Model:
                 running = running + pulp.lpSum(b * v for b, v in extend_at[k])
             lp += self.fw_base[k] + running <= M, f"mem_fw_{k}"
 
-        # Ties: recompute as late as possible (where the executor does: at first need) and
-        # nothing needlessly; then save fewer bytes. Weights stay far below any real cost.
-        cost = pulp.lpSum(values[n].time_s * v for (n, _), v in self.R.items())
-        eps = 1e-9 * min([values[n].time_s for n, _ in self.R if values[n].time_s > 0] or [1e-6])
-        late = pulp.lpSum(eps * (1 + (T - t) / (T + 1)) * v for (_, t), v in self.R.items())
+        # Recompute time in nanoseconds: solvers' default absolute gaps (HiGHS: 1e-6) would
+        # swallow differences of microseconds expressed in seconds. Ties go to fewer saved
+        # bytes, with a total weight below the cheapest op's time.
+        cost = pulp.lpSum(NS * values[n].time_s * v for (n, _), v in self.R.items())
+        cheapest = min([NS * values[n].time_s for n, _ in self.R if values[n].time_s > 0] or [1.0])
         small = pulp.lpSum(
-            eps
-            * 1e-3
+            1e-3
+            * cheapest
             * p.storages_bytes(values[n].allocates)
             / max(1, self.total_bytes)
             * self.s[n]
             for n in self.fwd
         )
-        lp += self.budget_var if budget is None else cost + late + small
+        lp += self.budget_var if budget is None else cost + small
         self.M = M
         self.cuts = 0
 
@@ -603,8 +610,9 @@ def _solve(
                 "this is a bug, please report it with the model"
             )
     optimal = model.lp.sol_status == pulp.LpSolutionOptimal
-    objective = float(pulp.value(model.lp.objective) or 0.0)
-    bound = objective if optimal else _best_bound(model.lp)
+    objective = float(pulp.value(model.lp.objective) or 0.0) / NS
+    raw_bound = _best_bound(model.lp)
+    bound = objective if optimal else (raw_bound / NS if raw_bound is not None else None)
     if bound is not None and not math.isfinite(bound):
         bound = None
     proof = (
