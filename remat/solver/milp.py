@@ -154,13 +154,13 @@ class _Model:
         owned_by_fwd = {s for n in self.fwd for s in values[n].allocates}
         self.fwd_storages = {s: h for s, h in self.fwd_storages.items() if s in owned_by_fwd}
 
-        self._backward_base(bw, fwd_set, owned_by_fwd)
-        self._forward_base(fwd_set)
+        self._backward_base(bw, owned_by_fwd)
+        self._forward_base()
         self.lp = pulp.LpProblem("remat", pulp.LpMinimize)
         self._build(budget)
 
     # ----------------------------------------------------------------- constants
-    def _backward_base(self, bw: list[Value], fwd_set: set[str], owned_by_fwd: set[str]) -> None:
+    def _backward_base(self, bw: list[Value], owned_by_fwd: set[str]) -> None:
         """Plan-independent live bytes at each backward op: tangents, backward values, user
         outputs; and which forward storages backward values hold (views of forward values)."""
         p = self.problem
@@ -209,7 +209,6 @@ class _Model:
                         live -= p.storage_bytes[s]
             self.bw_after.append(live)
             self.bw_hold_after.append(frozenset(s for s, c in fwd_held.items() if c))
-        self.n_bw = len(bw)
         self.stage_k = [self.bw_index[n] for n in self.stages]
         # The backward ops strictly between two stages (the gaps): the largest base for each
         # set of forward storages backward values hold there; and the live base right before
@@ -231,7 +230,7 @@ class _Model:
             prev = k
         self.tail_max = max(self.bw_base[prev + 1 :], default=0)
 
-    def _forward_base(self, fwd_set: set[str]) -> None:
+    def _forward_base(self) -> None:
         """Live bytes along the forward when nothing is saved, and each core storage's death."""
         p = self.problem
         values = p.by_name
@@ -257,7 +256,6 @@ class _Model:
             if core_holders:
                 self.death[s] = max(last.get(h, self.pos[h]) for h in core_holders)
         alloc = {s: self.pos[n] for n in self.fwd for s in values[n].allocates}
-        self.alloc_step = alloc
         self.fw_base: list[int] = []
         for k, n in enumerate(self.fwd):
             live = p.storages_bytes(
