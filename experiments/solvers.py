@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import re
 import time
 from pathlib import Path
 
@@ -71,7 +70,7 @@ def main() -> None:
             results[name] = (plan, time.perf_counter() - t1)
         exact = results.get("exact")
         for name, (plan, secs) in results.items():
-            bound = _bound(exact[0].reason) if exact else None
+            bound = exact[0].lower_bound_s if exact else None
             rows.append(
                 {
                     "budget_bytes": budget,
@@ -119,17 +118,6 @@ def _least(problem: remat.Problem, name: str, config: SolverConfig) -> int:
         return e.least_peak_bytes
     except ValueError:
         return 1 << 62
-
-
-def _bound(reason: str) -> float | None:
-    """The MILP's proven lower bound on recompute time, from its reason string."""
-    if "optimal" in reason and "not" not in reason and "time limit" not in reason:
-        return None
-    m = re.search(r"best bound (\S+?),", reason)
-    try:
-        return float(m.group(1)) if m else None
-    except ValueError:
-        return None
 
 
 if __name__ == "__main__":

@@ -394,33 +394,56 @@ class _Model:
         for s, holders in self.fwd_storages.items():
             for h in holders:
                 lp += S[s] >= self.s[h]
+        # Optional forward ops (no output needs them) run only to produce a saved value:
+        # f[n] says n runs. A storage lives past its natural death (core ops only) until its
+        # last running optional consumer, and to the end of the forward if saved.
+        optional = [n for n in self.fwd if n not in self.core]
+        f = {n: self._var(f"f_{self.pos[n]}", lowBound=0, upBound=1) for n in optional}
+        for n in optional:
+            lp += f[n] >= self.s[n]
+            for u in values[n].inputs:
+                if u in f:
+                    lp += f[u] >= f[n]
+        owner = {st: n for n in self.fwd for st in values[n].allocates}
         extend_at: dict[int, list[tuple[int, pulp.LpVariable]]] = {}
-        for s, d in self.death.items():
-            extend_at.setdefault(d + 1, []).append((p.storage_bytes[s], S[s]))
-        for n in self.fwd:
-            if n not in self.core:
-                for s in values[n].allocates:
-                    if s in S:
-                        extend_at.setdefault(self.pos[n], []).append((p.storage_bytes[s], S[s]))
+        transient: dict[int, list[tuple[int, pulp.LpVariable]]] = {}
+        for st, holders in self.fwd_storages.items():
+            n = owner[st]
+            start = self.pos[n] if n in f else self.death[st] + 1
+            users = sorted({w for h in holders for w in self.consumers[h] if w in f})
+            users = [w for w in users if self.pos[w] >= start]
+            last = max([self.pos[w] for w in users], default=start - 1)
+            if n in f:
+                last = max(last, start)  # its own step, if it runs
+            for k in range(start, last + 1):
+                a = self._var(f"o_{_safe(st)}_{k}", lowBound=0, upBound=1)
+                lp += a >= S[st]
+                if n in f and k == start:
+                    lp += a >= f[n]
+                for w in users:
+                    if self.pos[w] >= k:
+                        lp += a >= f[w]
+                transient.setdefault(k, []).append((p.storage_bytes[st], a))
+            extend_at.setdefault(last + 1, []).append((p.storage_bytes[st], S[st]))
         running: pulp.LpAffineExpression = pulp.lpSum([])
         for k in range(len(self.fwd)):
             if k in extend_at:
                 running = running + pulp.lpSum(b * v for b, v in extend_at[k])
-            lp += self.fw_base[k] + running <= M, f"mem_fw_{k}"
+            extra = pulp.lpSum(b * v for b, v in transient.get(k, []))
+            lp += self.fw_base[k] + running + extra <= M, f"mem_fw_{k}"
 
         # Recompute time in nanoseconds: solvers' default absolute gaps (HiGHS: 1e-6) would
         # swallow differences of microseconds expressed in seconds. Ties go to fewer saved
         # bytes, with a total weight below the cheapest op's time.
         cost = pulp.lpSum(NS * values[n].time_s * v for (n, _), v in self.R.items())
         cheapest = min([NS * values[n].time_s for n, _ in self.R if values[n].time_s > 0] or [1.0])
-        small = pulp.lpSum(
-            1e-3
-            * cheapest
-            * p.storages_bytes(values[n].allocates)
-            / max(1, self.total_bytes)
-            * self.s[n]
+        tie = {
+            n: 1e-3 * cheapest * p.storages_bytes(values[n].allocates) / max(1, self.total_bytes)
             for n in self.fwd
-        )
+        }
+        self.tie_max = sum(tie.values())
+        """Largest value the tie-break can add to the objective (subtracted from bounds)."""
+        small = pulp.lpSum(w * self.s[n] for n, w in tie.items())
         lp += self.budget_var if budget is None else cost + small
         self.M = M
         self.cuts = 0
@@ -541,7 +564,9 @@ def exact(
     keep_all = make_plan(problem, fixed_saved_set(problem, "keep_all"), solver="exact", reason="")
     if budget_bytes is None or keep_all.predicted_peak_bytes <= budget_bytes:
         return dataclasses.replace(
-            keep_all, reason="exact: keep_all fits, no recomputation needed (optimal)"
+            keep_all,
+            reason="exact: keep_all fits, no recomputation needed (optimal)",
+            lower_bound_s=0.0,
         )
     if start is not None and start.predicted_peak_bytes > budget_bytes:
         start = None
@@ -608,15 +633,19 @@ def _solve(
                 "this is a bug, please report it with the model"
             )
     optimal = model.lp.sol_status == pulp.LpSolutionOptimal
-    objective = float(pulp.value(model.lp.objective) or 0.0) / NS
-    raw_bound = _best_bound(model.lp)
-    bound = objective if optimal else (raw_bound / NS if raw_bound is not None else None)
+    # The objective is recompute nanoseconds with a budget, peak bytes without one.
+    # A bound on objective = cost + tie-break is a bound on cost once the tie-break's largest
+    # possible value is taken off.
+    scale, unit, ties = (NS, "s", model.tie_max) if budget_bytes is not None else (1.0, "B", 0.0)
+    objective = float(pulp.value(model.lp.objective) or 0.0)
+    raw_bound = objective if optimal else _best_bound(model.lp)
+    bound = max(0.0, raw_bound - ties) / scale if raw_bound is not None else None
     if bound is not None and not math.isfinite(bound):
         bound = None
     proof = (
         "optimal"
         if optimal
-        else f"time limit hit, best bound {bound:.4g}"
+        else f"time limit hit, best bound {bound:.4g} {unit}"
         if bound is not None
         else "time limit hit"
     )
@@ -624,7 +653,8 @@ def _solve(
         f"exact MILP ({what}), {proof}, {rounds} round(s), {time.perf_counter() - t0:.1f} s, "
         f"{len(model.R)} recompute binaries over {model.T} stages"
     )
-    return make_plan(problem, saved, solver="exact", reason=reason)
+    time_bound = bound if budget_bytes is not None else None
+    return make_plan(problem, saved, solver="exact", reason=reason, lower_bound_s=time_bound)
 
 
 def _budget_error(

@@ -27,6 +27,9 @@ class Plan:
     or recomputed."""
     schedule: Schedule
     simulation: Simulation
+    lower_bound_s: float | None = None
+    """A proven lower bound on the least recompute time under the same budget, when the
+    solver has one (the exact MILP: its optimum, or its dual bound when time ran out)."""
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -70,6 +73,7 @@ def make_plan(
     solver: str,
     reason: str,
     why_saved: Mapping[str, str] | None = None,
+    lower_bound_s: float | None = None,
 ) -> Plan:
     """Schedule and simulate ``saved``; raises :class:`InvalidPlanError` if it cannot run."""
     saved_set = frozenset(saved)
@@ -85,6 +89,7 @@ def make_plan(
         decisions=decisions,
         schedule=schedule,
         simulation=simulate(problem, schedule),
+        lower_bound_s=lower_bound_s,
     )
 
 

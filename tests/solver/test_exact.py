@@ -47,6 +47,8 @@ def test_layers_match_exhaustive_search_at_every_budget() -> None:
         plan = exact(prob, budget_bytes=budget, config=CONFIG)
         assert plan.predicted_peak_bytes <= budget
         assert plan.recompute_time_s == pytest.approx(optimum(results, budget)), budget
+        assert plan.lower_bound_s is not None
+        assert 0.999 * plan.recompute_time_s <= plan.lower_bound_s <= plan.recompute_time_s
     least = min(peak for _, peak in results)
     assert min_peak(prob, CONFIG).predicted_peak_bytes == least
     with pytest.raises(BudgetError) as err:
