@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import remat
+from remat.solver import make_plan
+from remat.solver.compress import compress
 from remat.solver.config import SolverConfig
 from remat.solver.milp import _backend, _Model, _start
 from remat.solver.registry import HEURISTICS, solve
@@ -21,17 +23,25 @@ from tests.zoo import ZOO
 CASES = [c for c in ZOO if c.name in ("tiny_gpt", "hf_gpt2", "cnn_bn", "tied")]
 
 
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "compressed"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_model_peak_equals_simulated_peak_at_modelled_moments(case: object) -> None:
+def test_model_peak_equals_simulated_peak_at_modelled_moments(
+    case: object, compressed: bool
+) -> None:
     torch.manual_seed(0)
     problem = remat.analyze(case.build(), case.inputs(), case.kwargs).problem  # type: ignore[attr-defined]
+    comp = compress(problem)
     checked = 0
     for name in HEURISTICS:
         try:
             plan = solve(problem, solver=name, budget_bytes=None)
         except ValueError:
             continue
-        model = _Model(problem, None)
+        if compressed:  # the model the solver builds: views merged, chains folded
+            plan = make_plan(comp.problem, comp.lower(plan.saved), solver=name, reason="")
+            model = _Model(comp.problem, None, comp.fold)
+        else:
+            model = _Model(problem, None)
         start = _start(model, plan)
         assert start, f"{name}: the plan's recompute stages are not in the model"
         for var, value in start.items():

@@ -80,5 +80,8 @@ def node_time(node: torch.fx.Node, flops: int, is_view: bool, profile: DevicePro
     if node.op != "call_function" or node.target is operator.getitem:
         return 0.0
     if is_view:
-        return profile.op_overhead_s
+        # A view launches no kernel: its dispatch cost is below what a profile resolves, and
+        # counting it would make "save the view" differ from "save its base" (see
+        # remat.solver.compress, which relies on views being free).
+        return 0.0
     return profile.op_time(flops, node_bytes_moved(node, is_view), node_dtype(node))

@@ -26,6 +26,9 @@ def problems(draw: st.DrawFn) -> tuple[Problem, frozenset[str]]:
         name = f"f{i}"
         base = next((v for v in reversed(fwd) if v.name in inputs and v.storages), None)
         if base is not None and draw(st.booleans()) and i < n - 1:
+            # A view: free (as remat.graph.costs makes them), usually of its only input.
+            if draw(st.booleans()):
+                inputs = (base.name,)
             values.append(
                 Value(name, Role.FORWARD, "aten.view.default", inputs, storages=base.storages)
             )
@@ -40,7 +43,8 @@ def problems(draw: st.DrawFn) -> tuple[Problem, frozenset[str]]:
                     inputs,
                     storages=(s,),
                     allocates=(s,),
-                    flops=draw(st.integers(0, 100)),
+                    flops=(flops := draw(st.integers(0, 100))),
+                    time_s=float(flops + 1),
                     random=draw(st.integers(0, 9)) == 0,
                 )
             )
