@@ -19,6 +19,7 @@ from remat.solver.baselines import (
 )
 from remat.solver.chen import chen_greedy, chen_sqrt
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact
 from remat.solver.plan import Plan
 
@@ -68,7 +69,7 @@ def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     )
 
 
-SOLVERS: Mapping[str, SolverFn] = {**HEURISTICS, "exact": exact_solver}
+SOLVERS: Mapping[str, SolverFn] = {**HEURISTICS, "lp_round": lp_rounding, "exact": exact_solver}
 
 
 def get_solver(name: str) -> SolverFn:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from remat.problem import Problem, Role
 from remat.solver import make_plan
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact, min_peak
 from remat.solver.registry import HEURISTICS, solve
 from remat.solver.schedule import InvalidPlanError
@@ -83,3 +84,26 @@ def test_exact_is_never_worse_than_a_heuristic(case: tuple[Problem, frozenset[st
         plan = solve(prob, solver="exact", budget_bytes=h.predicted_peak_bytes, config=CONFIG)
         assert plan.predicted_peak_bytes <= h.predicted_peak_bytes
         assert plan.recompute_time_s <= h.recompute_time_s + 1e-12
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems())
+def test_lp_rounding_fits_and_its_bound_is_below_the_optimum(
+    case: tuple[Problem, frozenset[str]],
+) -> None:
+    prob, _ = case
+    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+        return
+    results = brute_force(prob)
+    for budget in sorted({peak for _, peak in results})[:4]:
+        try:
+            plan = lp_rounding(prob, budget_bytes=budget, config=CONFIG)
+        except BudgetError as e:
+            assert e.least_peak_bytes > budget or not e.achievable
+            continue
+        best = optimum(results, budget)
+        assert best is not None
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.recompute_time_s >= best - 1e-9
+        assert plan.lower_bound_s is not None
+        assert plan.lower_bound_s <= best + 1e-9

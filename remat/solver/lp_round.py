@@ -1,0 +1,96 @@
+"""LP relaxation + rounding (Checkmate, Jain et al. 2020, section 5): fast, with a lower bound.
+
+The exact MILP's relaxation (every binary in [0, 1], no intra-stage cuts) is solved once. Its
+optimum is a proven lower bound on the least recompute time under the budget. The fractional
+saved-set ``s*`` is then rounded in two phases, as in Checkmate: (1) choose the saved set by
+thresholding ``s*`` (every distinct threshold is tried, plus a few seeded randomized roundings);
+(2) the recomputations follow from the saved set — our executor fixes them, so phase 2 is a
+simulation rather than a second LP. The cheapest rounded plan whose simulated peak fits wins.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pulp
+
+from remat.problem import Problem
+from remat.solver.compress import compress
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.fixed import fixed_saved_set
+from remat.solver.milp import NS, _backend, _budget_error, _Model
+from remat.solver.plan import Plan, make_plan
+
+RANDOM_ROUNDINGS = 16
+
+
+def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    """The cheapest rounding of the LP relaxation that fits ``budget_bytes``."""
+    keep_all = make_plan(
+        problem, fixed_saved_set(problem, "keep_all"), solver="lp_round", reason=""
+    )
+    if budget_bytes is None or keep_all.predicted_peak_bytes <= budget_bytes:
+        return make_plan(
+            problem,
+            keep_all.saved,
+            solver="lp_round",
+            reason="lp_round: keep_all fits, no recomputation needed (optimal)",
+            lower_bound_s=0.0,
+        )
+    t0 = time.perf_counter()
+    comp = compress(problem)
+    small = comp.problem
+    model = _Model(small, budget_bytes, comp.fold)
+    floor = max([*model.bw_base, *model.fw_base, model.tail_max])
+    if budget_bytes < floor:
+        raise _budget_error(problem, budget_bytes, config, floor, None)
+    for var in model.lp.variables():
+        var.cat = pulp.LpContinuous
+    if config.progress:
+        config.progress(f"lp_round: solving the LP relaxation ({len(model.lp.variables())} vars)")
+    model.lp.solve(_backend(config, config.time_limit_s, {}))
+    if model.lp.status != pulp.LpStatusOptimal:
+        status = pulp.LpStatus[model.lp.status]
+        if model.lp.status == pulp.LpStatusInfeasible:
+            raise _budget_error(problem, budget_bytes, config, floor, None)
+        raise RuntimeError(f"lp_round: the LP relaxation was not solved ({status})")
+    bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / NS
+    frac = {n: float(v.value() or 0.0) for n, v in model.s.items()}
+    random_values = {n for n in model.fwd if small.by_name[n].random}
+
+    candidates: list[frozenset[str]] = []
+    for theta in sorted({x for x in frac.values() if x > 1e-9} | {0.5}, reverse=True):
+        candidates.append(frozenset(n for n, x in frac.items() if x >= theta - 1e-9))
+    rng = random.Random(0)
+    for _ in range(RANDOM_ROUNDINGS):
+        candidates.append(frozenset(n for n, x in frac.items() if rng.random() < x))
+
+    best: Plan | None = None
+    least_peak: int | None = None
+    seen: set[frozenset[str]] = set()
+    for saved in candidates:
+        saved = saved | random_values
+        if saved in seen:
+            continue
+        seen.add(saved)
+        plan = make_plan(small, saved, solver="lp_round", reason="")
+        peak = plan.predicted_peak_bytes
+        least_peak = peak if least_peak is None else min(least_peak, peak)
+        if peak > budget_bytes:
+            continue
+        if best is None or plan.recompute_time_s < best.recompute_time_s:
+            best = plan
+    if best is None:
+        assert least_peak is not None
+        raise BudgetError(
+            budget_bytes,
+            least_peak,
+            f"the least peak of {len(seen)} roundings of lp_round's LP relaxation; "
+            "solver='exact' may go lower",
+        )
+    reason = (
+        f"lp_round: best of {len(seen)} roundings of the LP relaxation, "
+        f"LP lower bound {bound * 1e3:.4g} ms, {time.perf_counter() - t0:.1f} s"
+    )
+    return make_plan(problem, best.saved, solver="lp_round", reason=reason, lower_bound_s=bound)
