@@ -33,7 +33,7 @@ import pulp
 from remat.problem import EXTERNAL_ROLES, Problem, Role
 from remat.solver.compress import _core, compress
 from remat.solver.config import SolverConfig
-from remat.solver.milp import GAP_ABS, GAP_REL, NS, _backend, _best_bound
+from remat.solver.milp import GAP_ABS, GAP_REL, _backend, _best_bound, objective_scale
 
 KIB = 1024.0
 """Memory unit of the model (bytes would make the constraint matrix badly scaled)."""
@@ -168,8 +168,9 @@ def checkmate_bound(
             lp += u == u_prev + mem[k] * rk - pulp.lpSum(frees)
             u_prev = pulp.lpSum([u])
 
+    scale = objective_scale([values[i].time_s for i in fwd])
     cost = pulp.lpSum(
-        NS * values[i].time_s * R[t, i]
+        scale * values[i].time_s * R[t, i]
         for t in range(first_backward, n_stages)
         for i in fwd
         if (t, i) in R and not isinstance(R[t, i], int)
@@ -182,10 +183,10 @@ def checkmate_bound(
         return CheckmateBound(float("inf"), None, True, elapsed, binaries)
     optimal = lp.sol_status == pulp.LpSolutionOptimal
     feasible = lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    objective = float(pulp.value(lp.objective) or 0.0) / NS if feasible else None
+    objective = float(pulp.value(lp.objective) or 0.0) / scale if feasible else None
     if optimal:
-        bound: float | None = max(0.0, (objective or 0.0) - GAP_ABS / NS) * (1 - GAP_REL)
+        bound: float | None = max(0.0, (objective or 0.0) - GAP_ABS / scale) * (1 - GAP_REL)
     else:
         raw = _best_bound(lp)
-        bound = max(0.0, raw) / NS if raw is not None and raw == raw else None
+        bound = max(0.0, raw) / scale if raw is not None and raw == raw else None
     return CheckmateBound(bound, objective, optimal, elapsed, binaries)

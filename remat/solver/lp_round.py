@@ -19,7 +19,7 @@ from remat.problem import Problem
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set
-from remat.solver.milp import NS, _backend, _budget_error, _Model
+from remat.solver.milp import _backend, _budget_error, _Model
 from remat.solver.plan import Plan, make_plan
 
 RANDOM_ROUNDINGS = 16
@@ -49,13 +49,26 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
         var.cat = pulp.LpContinuous
     if config.progress:
         config.progress(f"lp_round: solving the LP relaxation ({len(model.lp.variables())} vars)")
+    if (
+        not model.lp.numConstraints()
+    ):  # nothing to decide (e.g. the backward reads random values only)
+        return make_plan(
+            problem,
+            fixed_saved_set(problem, "keep_inputs"),
+            solver="lp_round",
+            reason="lp_round: no choice to make",
+            lower_bound_s=0.0,
+        )
     model.lp.solve(_backend(config, config.time_limit_s, {}))
     if model.lp.status != pulp.LpStatusOptimal:
         status = pulp.LpStatus[model.lp.status]
+        hs = getattr(model.lp, "solverModel", None)
+        if hs is not None:
+            status += f" / HiGHS {hs.modelStatusToString(hs.getModelStatus())}"
         if model.lp.status == pulp.LpStatusInfeasible:
             raise _budget_error(problem, budget_bytes, config, floor, None)
         raise RuntimeError(f"lp_round: the LP relaxation was not solved ({status})")
-    bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / NS
+    bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / model.scale
     frac = {n: float(v.value() or 0.0) for n, v in model.s.items()}
     random_values = {n for n in model.fwd if small.by_name[n].random}
 

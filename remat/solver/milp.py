@@ -59,7 +59,18 @@ from remat.solver.plan import Plan, make_plan
 from remat.solver.simulate import Simulation
 
 NS = 1e9
-"""The objective is in nanoseconds of recompute time."""
+"""The objective is in nanoseconds of recompute time..."""
+MAX_COEF = 1e7
+"""...unless an op costs more than 10 ms (hand-built problems with seconds-long ops): then in
+units making the costliest op 1e7, as larger objective coefficients break HiGHS's simplex."""
+
+
+def objective_scale(times: list[float]) -> float:
+    """Objective units per second of recompute time."""
+    top = max(times, default=0.0)
+    return NS if top * NS <= MAX_COEF else MAX_COEF / top
+
+
 GAP_REL, GAP_ABS = 1e-7, 1e-2
 """Optimality tolerances: "optimal" means within 1e-7 relative or 0.01 ns absolute."""
 
@@ -123,7 +134,7 @@ def _cost_bound(model: _Model) -> float | None:
     raw = _best_bound(model.lp)
     if raw is None or not math.isfinite(raw) or model.budget_var is not None:
         return None
-    bound = max(0.0, raw - model.tie_max) / NS
+    bound = max(0.0, raw - model.tie_max) / model.scale
     return bound if math.isfinite(bound) else None
 
 
@@ -484,8 +495,11 @@ class _Model:
         # Recompute time in nanoseconds: solvers' default absolute gaps (HiGHS: 1e-6) would
         # swallow differences of microseconds expressed in seconds. Ties go to fewer saved
         # bytes, with a total weight below the cheapest op's time.
-        cost = pulp.lpSum(NS * values[n].time_s * v for (n, _), v in self.R.items())
-        cheapest = min([NS * values[n].time_s for n, _ in self.R if values[n].time_s > 0] or [1.0])
+        self.scale = objective_scale([values[n].time_s for n, _ in self.R])
+        cost = pulp.lpSum(self.scale * values[n].time_s * v for (n, _), v in self.R.items())
+        cheapest = min(
+            [self.scale * values[n].time_s for n, _ in self.R if values[n].time_s > 0] or [1.0]
+        )
         tie = {
             n: 1e-3 * cheapest * p.storages_bytes(values[n].allocates) / max(1, self.total_bytes)
             for n in self.fwd
@@ -655,11 +669,14 @@ def _solve(
                 )
             model.budget_var.upBound = start.predicted_peak_bytes
     rounds = 0
+    margin = 0  # bytes taken off the budget to absorb the solver's feasibility tolerance
+    fresh = True
     while True:
         rounds += 1
         if config.progress:
             config.progress(f"exact MILP round {rounds}: {model.binaries} binaries")
-        warm = _start(model, small_start) if small_start is not None and rounds == 1 else {}
+        warm = _start(model, small_start) if small_start is not None and fresh else {}
+        fresh = False
         model.lp.solve(_backend(config, max(1.0, deadline - time.perf_counter()), warm))
         status = pulp.LpStatus[model.lp.status]
         if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -683,6 +700,14 @@ def _solve(
             added += model.add_moment_cut(w, t)
             if added >= 8:
                 break
+        over = sim.peak_bytes - target
+        if not added and budget_bytes is not None and over <= max(1024, 1e-6 * target):
+            # Within the solver's feasibility tolerance (1e-7 of a row's scale): not a
+            # modelling gap. Solve again for a budget smaller by that much.
+            margin += math.ceil(over) + 1
+            model = _Model(problem, budget_bytes - margin, comp.fold)
+            fresh = True
+            continue
         if not added:
             raise RuntimeError(
                 "exact MILP: its model and the simulator disagree at a moment no cut covers "
@@ -705,7 +730,9 @@ def _solve(
     # The objective is recompute nanoseconds with a budget, peak bytes without one.
     # A bound on objective = cost + tie-break is a bound on cost once the tie-break's largest
     # possible value is taken off.
-    scale, unit, ties = (NS, "s", model.tie_max) if budget_bytes is not None else (1.0, "B", 0.0)
+    scale, unit, ties = (
+        (model.scale, "s", model.tie_max) if budget_bytes is not None else (1.0, "B", 0.0)
+    )
     objective = float(pulp.value(model.lp.objective) or 0.0)
     raw_bound = objective if optimal else _best_bound(model.lp)
     bound = max(0.0, raw_bound - ties) / scale if raw_bound is not None else None
@@ -722,6 +749,7 @@ def _solve(
         f"exact MILP ({what}), {proof}, {rounds} round(s), {time.perf_counter() - t0:.1f} s, "
         f"{model.binaries} binaries over {model.T} stages "
         f"({len(original.forward_names)} forward values compressed to {len(model.fwd)})"
+        + (f"; solved for {margin:,} B under the budget (solver tolerance)" if margin else "")
     )
     time_bound = bound if budget_bytes is not None else None
     plan = make_plan(original, saved, solver="exact", reason=reason, lower_bound_s=time_bound)

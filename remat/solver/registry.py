@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 
 from remat.problem import Problem
@@ -61,11 +63,33 @@ def _heuristic_plans(
     return fitting, least_peak
 
 
+LP_SHARE = 1 / 3
+"""Share of the time limit the LP rounding may take before the exact MILP starts."""
+
+
+def _starts(
+    problem: Problem, budget_bytes: int | None, config: SolverConfig
+) -> tuple[list[Plan], int | None, SolverConfig]:
+    """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, and
+    the LP rounding's when the LP solves within its share of the time limit (on graphs of a
+    few thousand values it does not, and the heuristics must do). Also returns the least peak
+    seen and the config with the time left for the MILP."""
+    t0 = time.perf_counter()
+    fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
+    if budget_bytes is not None:
+        lp_config = dataclasses.replace(config, time_limit_s=config.time_limit_s * LP_SHARE)
+        with contextlib.suppress(BudgetError, RuntimeError):  # no rounding fits, or no time
+            fitting.append(lp_rounding(problem, budget_bytes=budget_bytes, config=lp_config))
+        fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
+    left = max(1.0, config.time_limit_s - (time.perf_counter() - t0))
+    return fitting, least_peak, dataclasses.replace(config, time_limit_s=left)
+
+
 def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
-    """The exact MILP, warm-started from the cheapest heuristic plan that fits."""
-    fitting, _ = _heuristic_plans(problem, budget_bytes, config)
+    """The exact MILP, warm-started from the cheapest heuristic or LP-rounded plan that fits."""
+    fitting, _, left = _starts(problem, budget_bytes, config)
     return exact(
-        problem, budget_bytes=budget_bytes, config=config, start=fitting[0] if fitting else None
+        problem, budget_bytes=budget_bytes, config=left, start=fitting[0] if fitting else None
     )
 
 
@@ -83,14 +107,14 @@ def get_solver(name: str) -> SolverFn:
 
 def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The exact MILP's plan when it is found in the time limit (warm-started from the best
-    heuristic, so never worse), else the cheapest heuristic plan that fits the budget."""
+    heuristic or LP-rounded plan, so never worse), else the cheapest of those that fits."""
     if budget_bytes is None:
         plan = keep_all(problem, budget_bytes=None, config=config)
         return _with_reason(plan, "auto", "no budget given: keep everything (no recomputation)")
-    fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
+    fitting, least_peak, left = _starts(problem, budget_bytes, config)
     best = fitting[0] if fitting else None
     try:
-        found = exact(problem, budget_bytes=budget_bytes, config=config, start=best)
+        found = exact(problem, budget_bytes=budget_bytes, config=left, start=best)
     except BudgetError as e:
         known = [x for x in (least_peak, e.least_peak_bytes if e.achievable else None) if x]
         if known:
@@ -111,7 +135,7 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
     return _with_reason(
         found,
         f"auto:{found.solver}",
-        f"least recompute time among the heuristics that fit ({names}) and the exact MILP: {why}",
+        f"least recompute time among the plans that fit ({names}) and the exact MILP: {why}",
     )
 
 

@@ -57,11 +57,15 @@ def test_every_solver_gives_a_runnable_plan(name: str) -> None:
 
 def test_auto_picks_the_cheapest_fitting_plan_and_says_why() -> None:
     prob = _layers(6)
-    plans = {n: solve(prob, solver=n, budget_bytes=None) for n in SOLVERS}
-    keep_all = plans["keep_all"].predicted_peak_bytes
+    keep_all = solve(prob, solver="keep_all", budget_bytes=None).predicted_peak_bytes
     budget = keep_all - 1
+    fitting = []
+    for name in SOLVERS:
+        try:
+            fitting.append(solve(prob, solver=name, budget_bytes=budget))
+        except ValueError:  # BudgetError included: that solver's plan does not fit
+            continue
     auto = solve(prob, solver="auto", budget_bytes=budget)
-    fitting = [p for p in plans.values() if p.predicted_peak_bytes <= budget]
     assert auto.predicted_peak_bytes <= budget
     assert auto.recompute_time_s == min(p.recompute_time_s for p in fitting)
     assert auto.solver.startswith("auto:") and "least recompute time" in auto.reason
