@@ -1,12 +1,13 @@
 """remat: automatic activation-checkpoint planning for PyTorch training.
 
-fast = remat.optimize(model, example_inputs, activation_budget_bytes=...)
+fast = remat.optimize(model, example_inputs, budget_gb=40)   # the whole device
 loss_fn(fast(*batch)).backward()   # same gradients as model, the plan's memory peak
 print(fast.plan.summary())
 """
 
 from remat._torch_compat import fake_mode
 from remat.api import optimize
+from remat.budget import DeviceBudgetError, StaticMemoryError
 from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
@@ -21,11 +22,13 @@ __all__ = [
     "Analysis",
     "BudgetError",
     "CaptureError",
+    "DeviceBudgetError",
     "DeviceProfile",
     "LiveMemoryMeter",
     "Plan",
     "Problem",
     "RematModule",
+    "StaticMemoryError",
     "analyze",
     "fake_mode",
     "measure_step",

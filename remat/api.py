@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.graph.profiles import DeviceProfile
-from remat.pipeline import analyze, choose_plan
+from remat.budget import (
+    DEFAULT_RESERVE,
+    GB,
+    DeviceBudget,
+    DeviceBudgetError,
+    Options,
+    device_budget,
+    static_memory,
+)
+from remat.graph.profiles import DeviceProfile, auto_profile_name
+from remat.pipeline import BudgetError, analyze, choose_plan
 from remat.rewrite.executor import build_executor
 from remat.rewrite.module import Compiled, RematModule, signature
 from remat.solver.config import SolverConfig
@@ -31,15 +41,22 @@ def optimize(
     example_inputs: Any,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
+    budget_gb: float | None = None,
+    budget_bytes: int | None = None,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    zero_stage: int = 0,
+    world_size: int = 1,
+    reserve_fraction: float = DEFAULT_RESERVE,
+    activation_budget_bytes: int | None = None,
     plan: str | Plan | None = None,
     solver: str | None = None,
-    activation_budget_bytes: int | None = None,
-    device_profile: str | DeviceProfile = "cpu",
+    device_profile: str | DeviceProfile = "auto",
     time_limit_s: float = 60.0,
     block_types: tuple[str, ...] = (),
 ) -> RematModule:
     """Plan which activations ``model`` keeps for its backward and return a module that trains
-    exactly like it (same outputs and gradients) with the plan's memory peak.
+    exactly like it (same outputs and gradients) within the memory budget.
 
     Args:
         model: the model; it is not modified. The returned module shares its parameters and
@@ -47,16 +64,31 @@ def optimize(
         example_inputs: a tensor or tuple of tensors, with the shapes training will use.
         example_kwargs: keyword arguments of the forward (tensors or constants such as
             ``use_cache=False``; ``use_cache`` defaults to False when the forward accepts it).
+        budget_gb, budget_bytes: the whole device's memory (1 GB = 1e9 bytes). remat subtracts
+            what lives across steps (parameters, optimizer state, gradient shards under ZeRO
+            2-3; see :mod:`remat.budget` for the convention) and a reserve, and plans the step
+            in the rest. ``module.plan.device_memory`` has the breakdown; ``remat.explain``
+            prints it.
+        optimizer: ``adamw``, ``adam``, ``sgd`` (with momentum) or ``none``.
+        precision: ``fp32``, ``bf16-mixed`` or ``fp16-mixed`` (the step is traced and run
+            under ``torch.autocast``: activations have their 16-bit sizes).
+        zero_stage, world_size: ZeRO sharding of optimizer state (1), gradients (2) and
+            parameters (3) over ``world_size`` devices.
+        reserve_fraction: share of the budget kept for the allocator, kernel workspaces and
+            communication buffers (default 5%).
+        activation_budget_bytes: instead of a device budget, a bound on the step's peak alone
+            (``plan.predicted_peak_bytes``: activations, output and parameter gradients).
         plan: ``"keep_all"``, ``"keep_inputs"``, ``"keep_matmuls"``, or a :class:`Plan`.
         solver: a name from ``remat.solver.registry.SOLVERS`` or ``"auto"`` (the default): the
             plan with the least recompute time, among all solvers, that fits the budget.
-        activation_budget_bytes: bound on ``plan.predicted_peak_bytes``, the peak memory
-            allocated during one training step (activations, output gradients, parameter
-            gradients; not parameters or optimizer state). Without it: keep everything.
-            Too small a budget raises :class:`remat.BudgetError` stating the least peak found.
-        device_profile: cost model for recompute time (``cpu``, ``a100``, ``h100``, ``h200``).
+        device_profile: cost model for recompute time: ``auto`` (the device the parameters are
+            on), ``cpu``, ``a100``, ``h100``, ``h200``, or a :class:`remat.DeviceProfile`.
         time_limit_s: wall-clock limit of optimizing solvers.
         block_types: module class names or path patterns the ``block`` baseline checkpoints.
+
+    Without any budget everything is kept. A budget below the static memory raises
+    :class:`remat.StaticMemoryError` (with the breakdown and what would fit); one below the
+    least feasible step peak raises :class:`remat.BudgetError` stating that peak.
 
     The model may be built under ``remat.fake_mode()`` to plan shapes larger than this
     machine: the returned module then carries a plan but cannot run.
@@ -64,17 +96,69 @@ def optimize(
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     config = SolverConfig(time_limit_s=time_limit_s, block_types=tuple(block_types))
+    options = Options(
+        optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
+    )
+    device = _device_budget(model, budget_gb, budget_bytes, options, reserve_fraction)
+    if device is not None and activation_budget_bytes is not None:
+        raise ValueError("pass a device budget (budget_gb/budget_bytes) or activation_budget_bytes")
+    step_budget = device.step_budget_bytes if device is not None else activation_budget_bytes
+    if isinstance(device_profile, str) and device_profile == "auto":
+        first = next(iter(model.parameters()), None)
+        device_profile = auto_profile_name(first.device if first is not None else _CPU)
 
     def planner(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Compiled:
-        analysis = analyze(src, a, kw, device_profile=device_profile)
-        chosen = choose_plan(
-            analysis.problem,
-            plan=plan,
-            solver=solver,
-            activation_budget_bytes=activation_budget_bytes,
-            config=config,
+        analysis = analyze(
+            src,
+            a,
+            kw,
+            device_profile=device_profile,
+            precision=precision,
+            grads_held=not options.grads_released,
         )
+        try:
+            chosen = choose_plan(
+                analysis.problem,
+                plan=plan,
+                solver=solver,
+                activation_budget_bytes=step_budget,
+                config=config,
+            )
+        except BudgetError as e:
+            if device is None:
+                raise
+            raise DeviceBudgetError(device, e) from None
+        if device is not None:
+            chosen = dataclasses.replace(chosen, device_memory=device.breakdown(chosen))
         return Compiled(analysis.captured, build_executor(analysis.joint, analysis.problem, chosen))
 
-    first = planner(model, args, kwargs)
-    return RematModule(model, first, signature(args, kwargs), planner)
+    first_compiled = planner(model, args, kwargs)
+    return RematModule(model, first_compiled, signature(args, kwargs), planner)
+
+
+_CPU = torch.device("cpu")
+
+
+def _device_budget(
+    model: nn.Module,
+    budget_gb: float | None,
+    budget_bytes: int | None,
+    options: Options,
+    reserve_fraction: float,
+) -> DeviceBudget | None:
+    if budget_gb is not None and budget_bytes is not None:
+        raise ValueError("pass budget_gb or budget_bytes, not both")
+    if budget_gb is not None:
+        budget_bytes = int(budget_gb * GB)
+    if budget_bytes is None:
+        return None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    static = static_memory(
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
+        trainable=sum(p.numel() for p in trainable),
+        frozen=sum(p.numel() for p in frozen),
+        options=options,
+    )
+    return device_budget(budget_bytes, static, options, reserve_fraction)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.graph.capture import Captured, capture
@@ -20,6 +22,12 @@ from remat.solver.plan import Plan, make_plan
 from remat.solver.registry import solve
 
 __all__ = ["Analysis", "BudgetError", "analyze", "choose_plan", "fixed_plan"]
+
+AUTOCAST: Mapping[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -39,17 +47,32 @@ def analyze(
     kwargs: Mapping[str, Any] | None = None,
     *,
     device_profile: str | DeviceProfile = "cpu",
+    precision: str = "fp32",
+    grads_held: bool = True,
 ) -> Analysis:
+    """Capture ``model`` and reduce its training step to a :class:`Problem`.
+
+    ``precision``: ``fp32``, or ``bf16-mixed`` / ``fp16-mixed`` to trace under autocast.
+    ``grads_held``: False when gradients leave the device as they are produced (ZeRO 2-3).
+    """
+    if precision not in AUTOCAST:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
     t0 = time.perf_counter()
-    captured = capture(model, args, kwargs)
+    captured = capture(model, args, kwargs, autocast=AUTOCAST[precision])
     t1 = time.perf_counter()
     joint = build_joint(captured)
     t2 = time.perf_counter()
     problem = build_problem(
         joint,
         device_profile=device_profile,
-        metadata={"model": type(model).__name__, "capture": captured.method},
+        metadata={
+            "model": type(model).__name__,
+            "capture": captured.method,
+            "precision": precision,
+        },
     )
+    if not grads_held:
+        problem = dataclasses.replace(problem, grads_held=False)
     t3 = time.perf_counter()
     return Analysis(
         captured, joint, problem, {"capture": t1 - t0, "joint": t2 - t1, "annotate": t3 - t2}

@@ -81,6 +81,9 @@ class Problem:
     """New values of mutated buffers; copied into the buffers, then freed, after the forward."""
     grad_outputs: tuple[str, ...] = ()
     """Gradients returned by the backward (one per trainable input)."""
+    grads_held: bool = True
+    """Gradients stay on the device to the end of the step (single device, ZeRO 0-1). False:
+    each leaves as it is produced (ZeRO 2-3 reduce-scatters it), so it is freed at creation."""
     device_profile: str = "cpu"
     metadata: Mapping[str, str] = field(default_factory=dict)
 

@@ -75,17 +75,29 @@ class Captured:
 class _FlatModel(nn.Module):
     """Calls the model with flat tensor inputs and returns its tensor leaves as a flat tuple."""
 
-    def __init__(self, model: nn.Module, inputs: InputLayout, record: list[OutputLayout]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: InputLayout,
+        record: list[OutputLayout],
+        autocast: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.layout = inputs
         # A list we append to, not an attribute we set: tracers may restore module attributes.
         self.record = record
+        self.autocast = autocast
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = self.layout.num_args
         kwargs = dict(zip(self.layout.tensor_kwargs, flat[n:], strict=True))
-        out = self.model(*flat[:n], **kwargs, **self.layout.constant_kwargs)
+        if self.autocast is None:
+            out = self.model(*flat[:n], **kwargs, **self.layout.constant_kwargs)
+        else:
+            device = flat[0].device.type if flat else "cpu"
+            with torch.autocast(device_type=device, dtype=self.autocast):
+                out = self.model(*flat[:n], **kwargs, **self.layout.constant_kwargs)
         leaves, spec = pytree.tree_flatten(out)
         positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
@@ -141,8 +153,12 @@ def capture(
     kwargs: Mapping[str, Any] | None = None,
     *,
     method: str = "auto",
+    autocast: torch.dtype | None = None,
 ) -> Captured:
     """Trace ``model(*args, **kwargs)``; ``method`` is ``auto``, ``export`` or ``symbolic_trace``.
+
+    ``autocast``: trace under ``torch.autocast`` with this 16-bit dtype (mixed precision): the
+    graph then holds the casts, and its activations have the sizes mixed precision gives them.
 
     The model is not modified: its parameters, buffers and training flags are as before.
     """
@@ -157,7 +173,7 @@ def capture(
         )
     flat_inputs = tuple(layout.flatten(args, kwargs))
     record: list[OutputLayout] = []
-    wrapper = _FlatModel(model, layout, record)
+    wrapper = _FlatModel(model, layout, record, autocast)
     export_error: BaseException | None = None
     gm: nn.Module | None = None
     used = method
@@ -172,7 +188,7 @@ def capture(
     if gm is None:
         try:
             traced = torch.fx.symbolic_trace(model, concrete_args=dict(layout.constant_kwargs))
-            gm = _FlatModel(traced, layout, record)
+            gm = _FlatModel(traced, layout, record, autocast)
             used = "symbolic_trace"
             with torch.no_grad():
                 gm(*flat_inputs)  # records the output layout

@@ -77,6 +77,20 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
 PROFILE_NAMES = ("cpu", *GPU_PROFILES)
 
 
+def auto_profile_name(device: torch.device) -> str:
+    """The profile for the device a model lives on: ``cpu``, or the GPU model's name."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for key in GPU_PROFILES:
+        if key in name:
+            return key
+    raise ValueError(
+        f"no device profile for {torch.cuda.get_device_name(device)!r}; pass device_profile= "
+        f"one of {', '.join(PROFILE_NAMES)} or a remat.DeviceProfile"
+    )
+
+
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:
     """A profile by name (``cpu`` is measured on first use), or a custom one passed through."""
     if isinstance(name, DeviceProfile):

@@ -108,7 +108,8 @@ def checkmate_bound(
     # S[t, i]: i live entering stage t (i computed in an earlier stage).
     # What the simulator holds whatever the plan: user outputs and gradients to the end of
     # the step, tangents all backward, new buffer values to the end of the forward.
-    held_until = {n: n_stages for n in (*p.user_outputs, *p.grad_outputs)}
+    held_until = {n: n_stages for n in p.user_outputs}
+    held_until |= {n: n_stages for n in p.grad_outputs if p.grads_held}
     held_until |= {v.name: n_stages for v in p.values if v.role is Role.TANGENT}
     held_until |= {n: first_backward for n in p.mutation_outputs}
     S: dict[tuple[int, str], pulp.LpVariable | int] = {}

@@ -204,7 +204,7 @@ class _Model:
         for k, v in enumerate(bw):
             for i in v.inputs:
                 last[i] = k
-        grads = set(p.grad_outputs)
+        grads = set(p.grad_outputs) if p.grads_held else set()
         tangent_storages = {s for t in p.values if t.role is Role.TANGENT for s in t.storages}
         const = p.storages_bytes(self.user_storages) + p.storages_bytes(tangent_storages)
         # The engine holds the tangents all backward long: views of them add nothing.

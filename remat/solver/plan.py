@@ -30,6 +30,10 @@ class Plan:
     lower_bound_s: float | None = None
     """A proven lower bound on the least recompute time under the same budget, when the
     solver has one (the exact MILP: its optimum, or its dual bound when time ran out)."""
+    device_memory: Mapping[str, int] | None = None
+    """With a whole-device budget (``remat.optimize(..., budget_gb=)``): bytes per device of
+    ``parameters``, ``gradient_shards``, ``optimizer_state``, ``reserve``, ``step_peak`` (this
+    plan's predicted peak), ``total`` and ``budget``; see :mod:`remat.budget`."""
 
     @property
     def predicted_peak_bytes(self) -> int:

@@ -150,7 +150,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Simulation:
         mem,
         "backward",
         schedule.backward,
-        problem.grad_outputs,
+        problem.grad_outputs if problem.grads_held else (),
         frozenset(schedule.recomputed),
     )
 

@@ -3,6 +3,7 @@ the cheapest one within the budget must be what the MILP returns."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -139,3 +140,19 @@ def test_checkmate_matches_the_exact_optimum_on_a_chain() -> None:
         bound = checkmate_bound(prob, budget_bytes=budget, config=CONFIG)
         assert bound.optimal and bound.lower_bound_s is not None and best is not None
         assert best * (1 - 1e-6) <= bound.lower_bound_s <= best + 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems())
+def test_released_gradients_match_exhaustive_search(case: tuple[Problem, frozenset[str]]) -> None:
+    """ZeRO 2-3: each gradient leaves the device as it is produced."""
+    prob = dataclasses.replace(case[0], grads_held=False)
+    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+        return
+    results = brute_force(prob)
+    held = brute_force(case[0])
+    assert min(p for _, p in results) <= min(p for _, p in held)
+    for budget in sorted({peak for _, peak in results})[:3]:
+        plan = exact(prob, budget_bytes=budget, config=CONFIG)
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.recompute_time_s == pytest.approx(optimum(results, budget))

@@ -1,0 +1,116 @@
+"""Whole-device budgets: static memory by hand, sharding, errors, and the planned step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.budget import Options, StaticMemoryError, device_budget, static_memory
+from remat.models import TinyGPT
+from tests.checks import assert_peak_close
+
+P = 1_000_000  # trainable parameters of the hand computations below
+
+
+def _static(**opts: object) -> remat.budget.StaticMemory:
+    return static_memory(4 * P, 0, P, 0, Options(**opts))  # type: ignore[arg-type]
+
+
+def test_adam_fp32_is_16_bytes_per_parameter() -> None:
+    s = _static()
+    # parameters 4 + optimizer 8 held across steps; gradients 4 inside the step's peak
+    assert (s.parameters, s.optimizer_state, s.gradient_shards) == (4 * P, 8 * P, 0)
+    assert s.unsharded == 16 * P
+
+
+def test_mixed_precision_follows_amp() -> None:
+    # autocast keeps fp32 parameters (they are the master weights) and fp32 gradients
+    for precision in ("bf16-mixed", "fp16-mixed"):
+        assert _static(precision=precision) == _static()
+
+
+def test_optimizers() -> None:
+    assert _static(optimizer="sgd").optimizer_state == 4 * P
+    assert _static(optimizer="none").optimizer_state == 0
+
+
+def test_zero_stages_shard_the_right_parts() -> None:
+    n = 8
+    assert _static(zero_stage=1, world_size=n).optimizer_state == 8 * P // n
+    assert _static(zero_stage=1, world_size=n).parameters == 4 * P
+    s2 = _static(zero_stage=2, world_size=n)
+    assert (s2.parameters, s2.gradient_shards, s2.optimizer_state) == (4 * P, 4 * P // n, P)
+    s3 = _static(zero_stage=3, world_size=n)
+    assert (s3.parameters, s3.gradient_shards, s3.optimizer_state) == (P // 2, P // 2, P)
+    assert s3.total == 16 * P // n
+    assert Options(zero_stage=2, world_size=n).grads_released
+    assert not Options(zero_stage=2, world_size=1).grads_released
+
+
+def test_frozen_parameters_cost_their_bytes_only() -> None:
+    s = static_memory(4 * P, 4 * P, P, P, Options())
+    assert (s.parameters, s.optimizer_state) == (8 * P, 8 * P)
+
+
+def test_bad_options_list_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="adamw, adam, sgd, none"):
+        Options(optimizer="lion")
+    with pytest.raises(ValueError, match="fp32, bf16-mixed, fp16-mixed"):
+        Options(precision="fp8")
+    with pytest.raises(ValueError, match="zero_stage"):
+        Options(zero_stage=4)
+
+
+def test_budget_below_static_memory_explains() -> None:
+    s = _static()
+    with pytest.raises(StaticMemoryError) as err:
+        device_budget(10 * P, s, Options())
+    msg = str(err.value)
+    assert "optimizer state (adamw) 8.00 MB" in msg and "ZeRO stage 3" in msg
+    assert "more than 1 devices" in msg
+
+
+def _model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=64, dim=32, heads=2, layers=2, seq=64), torch.randint(0, 64, (4, 64))
+
+
+def test_device_budget_plans_the_step_in_what_is_left() -> None:
+    model, x = _model()
+    n = sum(p.numel() for p in model.parameters())
+    keep_all = remat.optimize(model, x, plan="keep_all").plan.predicted_peak_bytes
+    target = remat.optimize(model, x, plan="keep_matmuls").plan.predicted_peak_bytes
+    assert target < keep_all
+    static = 12 * n  # fp32 parameters + Adam moments; gradients are inside the step
+    budget = int((static + target) / 0.95) + 1  # reserve 5%
+    fast = remat.optimize(model, x, budget_bytes=budget, device_profile="cpu", time_limit_s=10)
+    mem = fast.plan.device_memory
+    assert mem is not None
+    assert mem["parameters"] + mem["optimizer_state"] == static
+    assert mem["reserve"] == int(budget * 0.05)
+    assert mem["step_peak"] == fast.plan.predicted_peak_bytes < keep_all
+    assert mem["total"] <= budget == mem["budget"]
+    # The step peak is still what a run measures.
+    measured = remat.measure_step(fast, (x,))
+    assert_peak_close(fast.plan.predicted_peak_bytes, measured.peak_bytes, "device budget")
+
+
+def test_budget_below_the_least_step_peak_names_the_total_it_needs() -> None:
+    model, x = _model()
+    n = sum(p.numel() for p in model.parameters())
+    with pytest.raises(remat.BudgetError) as err:
+        remat.optimize(model, x, budget_bytes=12 * n + 2000, reserve_fraction=0.0, time_limit_s=10)
+    assert "so the device needs at least" in str(err.value)
+    total = err.value.least_total_bytes  # type: ignore[attr-defined]
+    fast = remat.optimize(model, x, budget_bytes=total, reserve_fraction=0.0, time_limit_s=10)
+    assert fast.plan.device_memory is not None and fast.plan.device_memory["total"] <= total
+
+
+def test_budget_arguments_exclude_each_other() -> None:
+    model, x = _model()
+    with pytest.raises(ValueError, match="budget_gb or budget_bytes"):
+        remat.optimize(model, x, budget_gb=1, budget_bytes=10**9)
+    with pytest.raises(ValueError, match="activation_budget_bytes"):
+        remat.optimize(model, x, budget_gb=1, activation_budget_bytes=10**6)
