@@ -12,6 +12,7 @@ from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
 from remat.pipeline import Analysis, BudgetError, analyze
+from remat.planfile import PlanFileError
 from remat.problem import Problem
 from remat.rewrite.module import RematModule
 from remat.solver.plan import Plan
@@ -26,6 +27,7 @@ __all__ = [
     "DeviceProfile",
     "LiveMemoryMeter",
     "Plan",
+    "PlanFileError",
     "Problem",
     "RematModule",
     "StaticMemoryError",

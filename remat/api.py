@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def optimize(
     world_size: int = 1,
     reserve_fraction: float = DEFAULT_RESERVE,
     activation_budget_bytes: int | None = None,
-    plan: str | Plan | None = None,
+    plan: str | Path | Plan | None = None,
     solver: str | None = None,
     device_profile: str | DeviceProfile = "auto",
     time_limit_s: float = 60.0,
@@ -78,7 +79,9 @@ def optimize(
             communication buffers (default 5%).
         activation_budget_bytes: instead of a device budget, a bound on the step's peak alone
             (``plan.predicted_peak_bytes``: activations, output and parameter gradients).
-        plan: ``"keep_all"``, ``"keep_inputs"``, ``"keep_matmuls"``, or a :class:`Plan`.
+        plan: ``"keep_all"``, ``"keep_inputs"``, ``"keep_matmuls"``, a :class:`Plan`, or a
+            plan file (``*.json``, from ``module.save_plan``) re-applied without solving; a
+            file solved for another graph raises :class:`remat.PlanFileError`.
         solver: a name from ``remat.solver.registry.SOLVERS`` or ``"auto"`` (the default): the
             plan with the least recompute time, among all solvers, that fits the budget.
         device_profile: cost model for recompute time: ``auto`` (the device the parameters are
@@ -130,7 +133,8 @@ def optimize(
             raise DeviceBudgetError(device, e) from None
         if device is not None:
             chosen = dataclasses.replace(chosen, device_memory=device.breakdown(chosen))
-        return Compiled(analysis.captured, build_executor(analysis.joint, analysis.problem, chosen))
+        executor = build_executor(analysis.joint, analysis.problem, chosen)
+        return Compiled(analysis.captured, executor, analysis.problem)
 
     first_compiled = planner(model, args, kwargs)
     return RematModule(model, first_compiled, signature(args, kwargs), planner)

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from remat.graph.capture import Captured, capture
 from remat.graph.joint import JointGraph, build_joint
 from remat.graph.problem import build_problem
 from remat.graph.profiles import DeviceProfile
+from remat.planfile import plan_from_file
 from remat.problem import Problem
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
@@ -89,7 +91,7 @@ def fixed_plan(problem: Problem, name: str) -> Plan:
 def choose_plan(
     problem: Problem,
     *,
-    plan: str | Plan | None = None,
+    plan: str | Path | Plan | None = None,
     solver: str | None = None,
     activation_budget_bytes: int | None = None,
     config: SolverConfig | None = None,
@@ -97,6 +99,8 @@ def choose_plan(
     """Resolve the user's request (a named plan, an existing plan, or a solver and a budget)."""
     if plan is not None and (solver is not None or activation_budget_bytes is not None):
         raise ValueError("pass either plan= or solver=/activation_budget_bytes=, not both")
+    if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
+        return plan_from_file(plan, problem)
     if isinstance(plan, Plan):
         unknown = sorted(plan.saved - set(problem.by_name))
         if unknown:

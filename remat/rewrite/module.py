@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from torch import nn
 
 from remat._torch_compat import is_fake
 from remat.graph.capture import Captured
-from remat.problem import Role
+from remat.planfile import save_plan
+from remat.problem import Problem, Role
 from remat.rewrite.executor import Executor
 from remat.solver.plan import Plan
 
@@ -32,6 +34,7 @@ class Compiled:
 
     captured: Captured
     executor: Executor
+    problem: Problem
 
 
 Planner = Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], Compiled]
@@ -112,6 +115,10 @@ class RematModule(nn.Module):
     def plans(self) -> dict[Hashable, Plan]:
         """Every plan made so far, by (training flag, input signature)."""
         return {k: c.executor.plan for k, c in self._compiled.items()}
+
+    def save_plan(self, path: str | Path) -> Path:
+        """Write :attr:`plan` as JSON (re-apply with ``remat.optimize(..., plan=path)``)."""
+        return save_plan(self.plan, self._first.problem, path)
 
     def extra_repr(self) -> str:
         p = self.plan

@@ -70,7 +70,7 @@ def test_symbolic_trace_path_gives_the_same_training() -> None:
     problem = build_problem(joint)
     plan = fixed_plan(problem, "keep_inputs")
     ex = build_executor(joint, problem, plan)
-    fast = RematModule(model, Compiled(traced, ex), signature((x,), {}), planner=None)  # type: ignore[arg-type]
+    fast = RematModule(model, Compiled(traced, ex, problem), signature((x,), {}), planner=None)  # type: ignore[arg-type]
     twin = copy.deepcopy(model)
     out = fast(x)
     out.backward(torch.ones_like(out))

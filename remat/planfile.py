@@ -1,0 +1,180 @@
+"""Plan files: a plan as JSON, tied to the graph it was solved for.
+
+A plan names joint-graph nodes, so it only means something for the graph it was solved on. The
+file records a fingerprint of that graph (every value's name, role, op, inputs, shape and the
+bytes it allocates; not op costs, which vary with the device profile and, for ``cpu``, from run
+to run), the torch and remat versions, and what the plan decided and predicted. Loading checks
+the fingerprint against the model at hand and refuses a mismatch with the first differences.
+The file doubles as the audit record of what was recomputed and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from remat.problem import Problem
+from remat.solver.plan import Plan, make_plan
+
+FORMAT = "remat-plan"
+VERSION = 1
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used: unreadable, corrupt, or solved for another graph."""
+
+
+def _value_records(problem: Problem) -> list[list[Any]]:
+    return [
+        [
+            v.name,
+            v.role.value,
+            v.op,
+            list(v.inputs),
+            list(v.shape),
+            [problem.storage_bytes[s] for s in v.allocates],
+        ]
+        for v in problem.values
+    ]
+
+
+def fingerprint(problem: Problem) -> str:
+    """A hash of the graph's structure and sizes (not of its costs)."""
+    body = {
+        "values": _value_records(problem),
+        "user_outputs": list(problem.user_outputs),
+        "mutation_outputs": list(problem.mutation_outputs),
+        "grad_outputs": list(problem.grad_outputs),
+        "grads_held": problem.grads_held,
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """What a plan file holds."""
+
+    fingerprint: str
+    saved: frozenset[str]
+    solver: str
+    reason: str
+    torch_version: str
+    remat_version: str
+    record: Mapping[str, Any]
+    """The whole JSON document."""
+
+
+def plan_document(plan: Plan, problem: Problem) -> dict[str, Any]:
+    import torch
+
+    import remat
+
+    sim = plan.simulation
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "remat_version": remat.__version__,
+        "torch_version": torch.__version__,
+        "fingerprint": fingerprint(problem),
+        "graph": {
+            "values": len(problem.values),
+            "device_profile": problem.device_profile,
+            **dict(problem.metadata),
+        },
+        "solver": plan.solver,
+        "reason": plan.reason,
+        "saved": sorted(plan.saved),
+        "recomputed": list(plan.recomputed),
+        "decisions": dict(sorted(plan.decisions.items())),
+        "predicted_peak_bytes": sim.peak_bytes,
+        "peak_step": sim.peak_step,
+        "saved_bytes": sim.saved_bytes,
+        "recompute_flops": sim.recompute_flops,
+        "recompute_time_s": sim.recompute_time_s,
+        "step_time_s": sim.step_time_s,
+        "lower_bound_s": plan.lower_bound_s,
+        "device_memory": dict(plan.device_memory) if plan.device_memory else None,
+    }
+
+
+def save_plan(plan: Plan, problem: Problem, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(plan_document(plan, problem), indent=1) + "\n")
+    return path
+
+
+def read_plan(path: str | Path) -> PlanFile:
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanFileError(f"plan file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanFileError(f"plan file {path} is not readable JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise PlanFileError(f'{path} is not a remat plan file (no "format": "{FORMAT}")')
+    if doc.get("version") != VERSION:
+        raise PlanFileError(
+            f"{path} has plan format version {doc.get('version')!r}; this remat reads {VERSION}"
+        )
+    try:
+        saved = doc["saved"]
+        if not isinstance(saved, list) or not all(isinstance(s, str) for s in saved):
+            raise TypeError("'saved' must be a list of node names")
+        return PlanFile(
+            fingerprint=str(doc["fingerprint"]),
+            saved=frozenset(saved),
+            solver=str(doc["solver"]),
+            reason=str(doc["reason"]),
+            torch_version=str(doc["torch_version"]),
+            remat_version=str(doc["remat_version"]),
+            record=doc,
+        )
+    except (KeyError, TypeError) as e:
+        raise PlanFileError(f"plan file {path} is corrupt: {e}") from None
+
+
+def plan_from_file(path: str | Path, problem: Problem) -> Plan:
+    """The file's plan for ``problem``, after checking it was solved for this very graph."""
+    import torch
+
+    f = read_plan(path)
+    mine = fingerprint(problem)
+    if f.fingerprint != mine:
+        raise PlanFileError(
+            f"plan file {path} was solved for a different graph (fingerprint "
+            f"{f.fingerprint[:12]}, this model's {mine[:12]}): "
+            + _difference(f.record, problem)
+            + f". It was written with torch {f.torch_version} (this is {torch.__version__}) and "
+            f"remat {f.remat_version}. Plan again for this model and inputs."
+        )
+    unknown = sorted(f.saved - set(problem.by_name))
+    if unknown:  # same fingerprint but edited by hand
+        raise PlanFileError(f"plan file {path} saves values the graph lacks: {unknown[:5]}")
+    return make_plan(
+        problem,
+        f.saved,
+        solver=f.solver,
+        reason=f"loaded from {path} ({f.reason})",
+    )
+
+
+def _difference(doc: Mapping[str, Any], problem: Problem) -> str:
+    graph = doc.get("graph", {})
+    parts = []
+    n = graph.get("values")
+    if n is not None and n != len(problem.values):
+        parts.append(f"{n} graph values there, {len(problem.values)} here")
+    for key in ("model", "precision"):
+        theirs = graph.get(key)
+        ours = problem.metadata.get(key)
+        if theirs is not None and ours is not None and theirs != ours:
+            parts.append(f"{key} {theirs!r} there, {ours!r} here")
+    missing = sorted(set(doc.get("saved", [])) - set(problem.by_name))
+    if missing:
+        parts.append(f"saved values this graph lacks: {missing[:3]}")
+    return "; ".join(parts) or "same size, different ops, shapes or sizes (other input shapes?)"
