@@ -14,6 +14,7 @@ from remat.meter import LiveMemoryMeter, measure_step
 from remat.pipeline import Analysis, BudgetError, analyze
 from remat.planfile import PlanFileError
 from remat.problem import Problem
+from remat.report import explain
 from remat.rewrite.module import RematModule
 from remat.solver.plan import Plan
 
@@ -32,6 +33,7 @@ __all__ = [
     "RematModule",
     "StaticMemoryError",
     "analyze",
+    "explain",
     "fake_mode",
     "measure_step",
     "optimize",

@@ -114,3 +114,26 @@ def test_budget_arguments_exclude_each_other() -> None:
         remat.optimize(model, x, budget_gb=1, budget_bytes=10**9)
     with pytest.raises(ValueError, match="activation_budget_bytes"):
         remat.optimize(model, x, budget_gb=1, activation_budget_bytes=10**6)
+
+
+def test_report_prints_the_breakdown_and_the_plan_by_module() -> None:
+    from remat.report import _bytes, module_group
+
+    assert module_group("model.layers.11.self_attn") == "model.layers.*.self_attn"
+    assert module_group("blocks.0") == "blocks.*"
+    model, x = _model()
+    fast = remat.optimize(model, x, budget_bytes=2_500_000, time_limit_s=10)
+    text = fast.report()
+    mem = fast.plan.device_memory
+    assert mem is not None
+    measured = remat.measure_step(fast, (x,)).peak_bytes
+    assert_peak_close(fast.plan.predicted_peak_bytes, measured, "report")
+    for label, value in (
+        ("parameters", mem["parameters"]),
+        ("optimizer state", mem["optimizer_state"]),
+        ("step peak, planned", measured),
+        ("total", mem["total"]),
+    ):
+        line = next(ln for ln in text.splitlines() if ln.strip("│ ").startswith(label))
+        assert _bytes(value) in line, (label, line)
+    assert "blocks.*" in text and "fits: budget 2.50 MB" in text

@@ -116,6 +116,12 @@ class RematModule(nn.Module):
         """Every plan made so far, by (training flag, input signature)."""
         return {k: c.executor.plan for k, c in self._compiled.items()}
 
+    def report(self, width: int = 120) -> str:
+        """Print and return the memory breakdown and the plan by module (``remat.explain``)."""
+        from remat.report import explain
+
+        return explain(self, width=width)
+
     def save_plan(self, path: str | Path) -> Path:
         """Write :attr:`plan` as JSON (re-apply with ``remat.optimize(..., plan=path)``)."""
         return save_plan(self.plan, self._first.problem, path)
