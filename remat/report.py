@@ -87,7 +87,7 @@ def plan_table(plan: Plan, problem: Problem) -> Table:
     saved: dict[str, Counter[str]] = defaultdict(Counter)
     saved_bytes: Counter[str] = Counter()
     recomputed: dict[str, Counter[str]] = defaultdict(Counter)
-    time_s: Counter[str] = Counter()
+    time_s: defaultdict[str, float] = defaultdict(float)
     counted: set[str] = set()
     for n in sorted(plan.saved, key=problem.index.__getitem__):
         v = values[n]
