@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ def optimize(
     device_profile: str | DeviceProfile = "auto",
     time_limit_s: float = 60.0,
     block_types: tuple[str, ...] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> RematModule:
     """Plan which activations ``model`` keeps for its backward and return a module that trains
     exactly like it (same outputs and gradients) within the memory budget.
@@ -88,6 +89,7 @@ def optimize(
             on), ``cpu``, ``a100``, ``h100``, ``h200``, or a :class:`remat.DeviceProfile`.
         time_limit_s: wall-clock limit of optimizing solvers.
         block_types: module class names or path patterns the ``block`` baseline checkpoints.
+        progress: called with a short status line as long solves advance.
 
     Without any budget everything is kept. A budget below the static memory raises
     :class:`remat.StaticMemoryError` (with the breakdown and what would fit); one below the
@@ -98,7 +100,9 @@ def optimize(
     """
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
-    config = SolverConfig(time_limit_s=time_limit_s, block_types=tuple(block_types))
+    config = SolverConfig(
+        time_limit_s=time_limit_s, block_types=tuple(block_types), progress=progress
+    )
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
     )

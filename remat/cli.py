@@ -1,4 +1,8 @@
-"""The ``remat`` command line.
+"""The ``remat`` command line: ``remat demo`` and ``remat plan``.
+
+``remat plan MODEL --budget-gb N`` plans a preset (``remat plan --list``), any transformers
+architecture (``hf:llama --set hidden_size=4096``) or a factory, under FakeTensorMode, and
+prints the memory breakdown and the plan by module; ``--save`` writes the plan file.
 
 ``remat demo`` plans the built-in GPT-style model with the fixed plans, the baselines and the
 exact MILP (at the peak of every-block checkpointing), runs real CPU training steps for each
@@ -9,6 +13,7 @@ gradients are bitwise equal.
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -19,8 +24,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from remat.api import optimize
+from remat.budget import DEFAULT_RESERVE, StaticMemoryError
+from remat.graph.profiles import PROFILE_NAMES
 from remat.meter import allocator_peak_bytes, training_step
 from remat.models import TinyGPT
+from remat.presets import PRESETS, build, parse_settings
+from remat.report import explain_plan
+from remat.solver.config import BudgetError
 from remat.solver.fixed import FIXED_PLANS
 from remat.verify import verify
 
@@ -118,6 +129,68 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def plan_command(args: argparse.Namespace) -> int:
+    """``remat plan MODEL --budget-gb N ...``: plan a model under FakeTensorMode and report."""
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    if args.list:
+        table = Table(
+            title="presets (Hugging Face configs, random init, planned with fake tensors)"
+        )
+        table.add_column("name")
+        table.add_column("model")
+        for name, preset in PRESETS.items():
+            table.add_row(name, preset.description)
+        console.print(table)
+        console.print(
+            "also: hf:MODEL_TYPE (any transformers architecture, --set KEY=VALUE "
+            "overrides its config) and pkg.module:factory"
+        )
+        return 0
+    if args.model is None:
+        console.print("[red]remat plan: name a model (remat plan --list shows the presets)")
+        return 2
+    t0 = time.perf_counter()
+    try:
+        built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
+    except ValueError as e:
+        console.print(f"[red]remat plan: {e}")
+        return 2
+    n = sum(p.numel() for p in built.model.parameters())
+    console.print(
+        f"[bold]{built.description}[/]: {n / 1e9:.2f}B parameters; {args.precision}, "
+        f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}, profile {args.device}, "
+        f"budget {args.budget_gb} GB per device"
+    )
+    progress = console.status("planning...")
+    with progress:
+        try:
+            fast = optimize(
+                built.model,
+                built.args,
+                example_kwargs=built.kwargs,
+                budget_gb=args.budget_gb,
+                optimizer=args.optimizer,
+                precision=args.precision,
+                zero_stage=args.zero_stage,
+                world_size=args.world_size,
+                reserve_fraction=args.reserve,
+                solver=args.solver,
+                device_profile=args.device,
+                time_limit_s=args.time_limit,
+                progress=lambda msg: progress.update(f"planning: {msg}"),
+            )
+        except (BudgetError, StaticMemoryError) as e:
+            console.print(f"[red]remat plan: {e}")
+            return 1
+    wall = time.perf_counter() - t0
+    console.print(explain_plan(fast.plan, fast._first.problem, width=console.width), end="")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    console.print(f"wall time {wall:.1f} s, max RSS {rss:.2f} GiB")
+    if args.save:
+        console.print(f"plan written to {fast.save_plan(args.save)}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +207,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--time-limit", type=float, default=30.0, help="seconds for the exact MILP (auto row)"
     )
     d.set_defaults(func=demo)
+    p = sub.add_parser(
+        "plan",
+        help="plan a preset, hf:MODEL_TYPE or pkg.module:factory under a device budget",
+        description="Plan under FakeTensorMode (no memory needed for 70B shapes) and print "
+        "the memory breakdown and the plan by module.",
+    )
+    p.add_argument("model", nargs="?", help="preset name, hf:MODEL_TYPE or pkg.module:factory")
+    p.add_argument("--list", action="store_true", help="list the presets")
+    p.add_argument("--budget-gb", type=float, default=80.0, help="device memory (1 GB = 1e9 B)")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="reserve fraction")
+    p.add_argument("--device", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
+    p.add_argument("--solver", default=None, help="default: auto")
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override (repeatable)",
+    )
+    p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
+    p.set_defaults(func=plan_command)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -15,3 +15,53 @@ def test_demo_runs_and_reports_equal(capsys: pytest.CaptureFixture[str]) -> None
     for plan in ("keep_all", "keep_inputs", "keep_matmuls", "block", "megatron", "auto @"):
         assert plan in out
     assert "DIFFER" not in out and out.count("equal") >= 7
+
+
+SMALL = ["--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2", "--seq", "64"]
+
+
+def test_plan_lists_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("gpt2", "gpt2-medium", "bert-base", "llama-7b", "llama-13b", "llama-70b"):
+        assert name in out
+
+
+def test_plan_prints_the_report_and_saves(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "plan.json"
+    code = main(["plan", "gpt2", *SMALL, "--budget-gb", "0.12", "--device", "a100",
+                 "--time-limit", "5", "--save", str(path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "memory per device" in out and "transformer.h.*.attn" in out and "fits" in out
+    assert "max RSS" in out and path.exists()
+
+
+def test_plan_below_static_memory_explains(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gpt2", *SMALL, "--budget-gb", "0.001"]) == 1
+    out = capsys.readouterr().out
+    assert "does not hold the static memory" in out and "ZeRO stage 3" in out
+
+
+def test_plan_bad_model_and_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gpt5"]) == 2
+    assert "unknown model 'gpt5'" in capsys.readouterr().out
+    assert main(["plan", "hf:gpt2", "--set", "oops"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_plan_llama_7b_zero3_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's command: 6.7B under FakeTensorMode, bf16-mixed, ZeRO-3 over 8 devices."""
+    args = ["plan", "llama-7b", "--seq", "4096", "--precision", "bf16-mixed",
+            "--zero-stage", "3", "--world-size", "8"]  # fmt: skip
+    assert main([*args, "--budget-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    recomputed = int(out.split(" recomputed (")[0].rsplit(",", 1)[-1].split()[-1])
+    assert recomputed > 0 and "fits: budget 24.00 GB" in out
+    assert main([*args, "--budget-gb", "1"]) == 1
+    assert "does not hold the static memory" in capsys.readouterr().out

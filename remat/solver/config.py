@@ -39,6 +39,9 @@ class SolverConfig:
     block baseline checkpoints; empty: the repeated children of the largest ModuleList."""
     progress: Callable[[str], None] | None = None
     """Called with a short status line during long solves."""
+    max_milp_values: int = 1500
+    """``auto`` skips the flat LP and MILP above this many forward values (after compression):
+    building them would take minutes and gigabytes (GPT-2 small has ~800)."""
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:

@@ -20,10 +20,17 @@ from remat.solver.baselines import (
     megatron_selective,
 )
 from remat.solver.chen import chen_greedy, chen_sqrt
+from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact
 from remat.solver.plan import Plan
+
+
+def milp_size(problem: Problem) -> int:
+    """Forward values of the compressed problem: what the flat LP/MILP would be built over."""
+    return len(compress(problem).problem.forward_names)
+
 
 SolverFn = Callable[..., Plan]
 """``fn(problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan``."""
@@ -76,7 +83,7 @@ def _starts(
     seen and the config with the time left for the MILP."""
     t0 = time.perf_counter()
     fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
-    if budget_bytes is not None:
+    if budget_bytes is not None and milp_size(problem) <= config.max_milp_values:
         lp_config = dataclasses.replace(config, time_limit_s=config.time_limit_s * LP_SHARE)
         with contextlib.suppress(BudgetError, RuntimeError):  # no rounding fits, or no time
             fitting.append(lp_rounding(problem, budget_bytes=budget_bytes, config=lp_config))
@@ -113,6 +120,21 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
         return _with_reason(plan, "auto", "no budget given: keep everything (no recomputation)")
     fitting, least_peak, left = _starts(problem, budget_bytes, config)
     best = fitting[0] if fitting else None
+    size = milp_size(problem)
+    if size > config.max_milp_values:
+        if best is None:
+            raise BudgetError(
+                budget_bytes,
+                least_peak or 0,
+                "the least peak of the heuristics (graph too large for the flat MILP)",
+            )
+        return _with_reason(
+            best,
+            f"auto:{best.solver}",
+            f"least recompute time among the heuristics that fit "
+            f"({', '.join(p.solver for p in fitting)}); the flat MILP was skipped: {size} "
+            f"forward values after compression > max_milp_values={config.max_milp_values}",
+        )
     try:
         found = exact(problem, budget_bytes=budget_bytes, config=left, start=best)
     except BudgetError as e:
