@@ -127,23 +127,30 @@ def main() -> None:
 
 def _table2(console: Console, rows: list[dict[str, object]]) -> None:
     """Checkmate's Table 2: geometric mean of each solver's cost relative to the proven optimum,
-    over the budgets where the exact MILP proved optimality and recomputation is needed."""
-    ratios: dict[str, list[float]] = {}
+    over the budgets where the exact MILP proved optimality and recomputation is needed. Two
+    ratios: of recompute time alone, and of the step's total compute (forward + backward +
+    recompute), which is what Checkmate's Table 2 reports."""
+    ratios: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        if r["exact_proven_optimal"] and r["vs_exact"] is not None:
-            exact_cost = [
-                x["recompute_s"]
-                for x in rows
-                if x["budget_bytes"] == r["budget_bytes"] and x["solver"] == "exact"
-            ][0]
-            if exact_cost:
-                ratios.setdefault(str(r["solver"]), []).append(float(r["vs_exact"]))  # type: ignore[arg-type]
+        if not r["exact_proven_optimal"] or r["vs_exact"] is None:
+            continue
+        exact = next(
+            x for x in rows if x["budget_bytes"] == r["budget_bytes"] and x["solver"] == "exact"
+        )
+        if not exact["recompute_s"]:
+            continue
+        total = (100 + float(r["recompute_pct"])) / (100 + float(exact["recompute_pct"]))  # type: ignore[arg-type]
+        ratios.setdefault(str(r["solver"]), []).append((float(r["vs_exact"]), total))  # type: ignore[arg-type]
     if not ratios:
         console.print("Table 2: the exact MILP proved optimality at no budget needing recompute")
         return
     for name, xs in sorted(ratios.items()):
-        gmean = math.exp(sum(math.log(x) for x in xs) / len(xs))
-        console.print(f"Table 2: {name:12s} {gmean:.3f}x optimal (geomean of {len(xs)} budgets)")
+        rec = math.exp(sum(math.log(a) for a, _ in xs) / len(xs))
+        tot = math.exp(sum(math.log(b) for _, b in xs) / len(xs))
+        console.print(
+            f"Table 2: {name:12s} recompute {rec:.3f}x optimal, total compute {tot:.3f}x "
+            f"(geomean of {len(xs)} budgets)"
+        )
 
 
 def _least(problem: remat.Problem, name: str, config: SolverConfig) -> int:
