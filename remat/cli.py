@@ -13,6 +13,8 @@ gradients are bitwise equal.
 from __future__ import annotations
 
 import argparse
+import csv
+import math
 import resource
 import sys
 import time
@@ -25,14 +27,25 @@ from rich.console import Console
 from rich.table import Table
 
 from remat.api import optimize
-from remat.budget import DEFAULT_RESERVE, StaticMemoryError
+from remat.budget import (
+    DEFAULT_RESERVE,
+    GB,
+    Options,
+    StaticMemory,
+    StaticMemoryError,
+    device_budget,
+    static_memory,
+)
 from remat.graph.profiles import PROFILE_NAMES
 from remat.meter import allocator_peak_bytes, training_step
 from remat.models import TinyGPT
+from remat.pipeline import analyze
 from remat.presets import PRESETS, build, parse_settings
+from remat.problem import Problem
 from remat.report import explain_plan
-from remat.solver.config import BudgetError
+from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
+from remat.solver.registry import HEURISTICS, SOLVERS, solve
 from remat.verify import verify
 
 
@@ -191,6 +204,145 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare_command(args: argparse.Namespace) -> int:
+    """``remat compare MODEL``: every solver at one device budget, or over a sweep of them."""
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    try:
+        built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
+        options = Options(
+            optimizer=args.optimizer,
+            precision=args.precision,
+            zero_stage=args.zero_stage,
+            world_size=args.world_size,
+        )
+    except ValueError as e:
+        console.print(f"[red]remat compare: {e}")
+        return 2
+    with console.status("analysing..."):
+        problem = analyze(
+            built.model,
+            built.args,
+            built.kwargs,
+            device_profile=args.device,
+            precision=args.precision,
+            grads_held=not options.grads_released,
+        ).problem
+    config = SolverConfig(time_limit_s=args.time_limit)
+    static = _static_of(built.model, options)
+    if args.sweep:
+        keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+        least = min(_least_peak(problem, n, config) for n in HEURISTICS)
+        # Device totals whose step budgets run from the least peak to keep_all's.
+        budgets = [
+            math.ceil((least + (keep_all - least) * k // max(1, args.sweep - 1) + static.total)
+                      / (1 - args.reserve)) + 1
+            for k in range(args.sweep)
+        ]  # fmt: skip
+    else:
+        budgets = [int(args.budget_gb * GB)]
+    rows: list[dict[str, object]] = []
+    for total in budgets:
+        try:
+            d = device_budget(total, static, options, args.reserve)
+        except StaticMemoryError as e:
+            console.print(f"[red]remat compare: {e}")
+            return 1
+        for name in [*SOLVERS, "auto"]:
+            t0 = time.perf_counter()
+            try:
+                with console.status(f"{_gb_text(total)}: {name}..."):
+                    plan = solve(
+                        problem, solver=name, budget_bytes=d.step_budget_bytes, config=config
+                    )
+            except (BudgetError, ValueError, RuntimeError) as e:
+                rows.append({"budget_bytes": total, "solver": name, "error": str(e)[:200]})
+                continue
+            sim = plan.simulation
+            rows.append(
+                {
+                    "budget_bytes": total,
+                    "solver": name,
+                    "step_peak_bytes": plan.predicted_peak_bytes,
+                    "total_bytes": d.total_for(plan.predicted_peak_bytes),
+                    "recompute_pct": 100 * sim.recompute_time_s / sim.step_time_s,
+                    "bound_pct": (
+                        100 * plan.lower_bound_s / sim.step_time_s
+                        if plan.lower_bound_s is not None
+                        else None
+                    ),
+                    "solve_s": time.perf_counter() - t0,
+                    "error": "",
+                }
+            )
+    table = Table(title=f"{built.description}: every solver (profile {args.device})")
+    for col in ("budget", "solver", "step peak", "total", "recompute %", "bound %", "solve s"):
+        table.add_column(col, justify="left" if col == "solver" else "right")
+    for r in rows:
+        budget_text = _gb_text(float(r["budget_bytes"]))  # type: ignore[arg-type]
+        if r["error"]:
+            table.add_row(budget_text, str(r["solver"]), "[dim]does not fit", "", "", "", "")
+            continue
+        bound = r["bound_pct"]
+        table.add_row(
+            budget_text,
+            str(r["solver"]),
+            _gb_text(float(r["step_peak_bytes"])),  # type: ignore[arg-type]
+            _gb_text(float(r["total_bytes"])),  # type: ignore[arg-type]
+            f"{r['recompute_pct']:.2f}",
+            "-" if bound is None else f"{bound:.2f}",
+            f"{r['solve_s']:.1f}",
+        )
+    console.print(table)
+    if args.csv:
+        fields = ["budget_bytes", "solver", "step_peak_bytes", "total_bytes", "recompute_pct",
+                  "bound_pct", "solve_s", "error"]  # fmt: skip
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(rows)
+        console.print(f"wrote {args.csv}")
+    return 0
+
+
+def _static_of(model: torch.nn.Module, options: Options) -> StaticMemory:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return static_memory(
+        sum(p.numel() * p.element_size() for p in trainable),
+        sum(p.numel() * p.element_size() for p in frozen),
+        sum(p.numel() for p in trainable),
+        sum(p.numel() for p in frozen),
+        options,
+    )
+
+
+def _least_peak(problem: Problem, name: str, config: SolverConfig) -> int:
+    try:
+        return solve(problem, solver=name, budget_bytes=0, config=config).predicted_peak_bytes
+    except BudgetError as e:
+        return e.least_peak_bytes
+    except ValueError:
+        return 1 << 62
+
+
+def _gb_text(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="reserve fraction")
+    p.add_argument("--device", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (repeatable)")  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -216,25 +368,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("model", nargs="?", help="preset name, hf:MODEL_TYPE or pkg.module:factory")
     p.add_argument("--list", action="store_true", help="list the presets")
     p.add_argument("--budget-gb", type=float, default=80.0, help="device memory (1 GB = 1e9 B)")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
-    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="reserve fraction")
-    p.add_argument("--device", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
+    _model_options(p)
     p.add_argument("--solver", default=None, help="default: auto")
-    p.add_argument("--time-limit", type=float, default=60.0)
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override (repeatable)",
-    )
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
     p.set_defaults(func=plan_command)
+    c = sub.add_parser(
+        "compare",
+        help="every solver side by side at one device budget or over a sweep",
+        description="Plan MODEL (as remat plan) with every solver; print and optionally "
+        "write a CSV.",
+    )
+    c.add_argument("model", help="preset name, hf:MODEL_TYPE or pkg.module:factory")
+    c.add_argument("--budget-gb", type=float, default=80.0, help="device memory (1 GB = 1e9 B)")
+    c.add_argument("--sweep", type=int, default=0, metavar="N",
+                   help="instead: N budgets from the least feasible to keep-all's")  # fmt: skip
+    _model_options(c)
+    c.add_argument("--csv", default=None, metavar="OUT.csv")
+    c.set_defaults(func=compare_command)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -112,7 +112,8 @@ def build(
     settings = dict(settings or {})
     if spec in PRESETS:
         p = PRESETS[spec]
-        return _hf(p.model_type, {**p.config, **settings}, p.head, seq, batch, fake, p.description)
+        what = p.description + "".join(f", {k}={v!r}" for k, v in settings.items())
+        return _hf(p.model_type, {**p.config, **settings}, p.head, seq, batch, fake, what)
     if spec.startswith("hf:"):
         name = spec[3:]
         head = settings.pop("head", "masked-lm" if name in ("bert", "roberta") else "causal-lm")

@@ -65,3 +65,24 @@ def test_plan_llama_7b_zero3_on_this_machine(capsys: pytest.CaptureFixture[str])
     assert recomputed > 0 and "fits: budget 24.00 GB" in out
     assert main([*args, "--budget-gb", "1"]) == 1
     assert "does not hold the static memory" in capsys.readouterr().out
+
+
+def test_compare_sweeps_every_solver_to_csv(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import csv
+    from pathlib import Path
+
+    from remat.solver.registry import SOLVERS
+
+    out_csv = Path(str(tmp_path)) / "cmp.csv"
+    code = main(["compare", "gpt2", *SMALL, "--sweep", "2", "--device", "a100",
+                 "--time-limit", "5", "--csv", str(out_csv)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    rows = list(csv.DictReader(out_csv.open()))
+    assert {r["solver"] for r in rows} == {*SOLVERS, "auto"}
+    assert len({r["budget_bytes"] for r in rows}) == 2
+    for r in rows:
+        if not r["error"]:
+            assert int(r["total_bytes"]) <= int(r["budget_bytes"])
+    assert "n_layer=2" in capsys.readouterr().out
