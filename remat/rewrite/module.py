@@ -122,6 +122,16 @@ class RematModule(nn.Module):
 
         return explain(self, width=width)
 
+    def export(self, folder: str | Path) -> Path:
+        """Write the plan's forward, backward and inference graphs as readable Python plus
+        ``plan.json`` to ``folder`` (see :mod:`remat.rewrite.export`); load the graphs back
+        with ``remat.rewrite.export.load_graphs``."""
+        from remat.rewrite.export import export_graphs
+
+        folder = export_graphs(self._first.executor.graphs, folder)
+        self.save_plan(folder / "plan.json")
+        return folder
+
     def save_plan(self, path: str | Path) -> Path:
         """Write :attr:`plan` as JSON (re-apply with ``remat.optimize(..., plan=path)``)."""
         return save_plan(self.plan, self._first.problem, path)
