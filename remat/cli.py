@@ -20,10 +20,12 @@ import sys
 import time
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 
 import torch
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from remat.api import optimize
@@ -40,11 +42,13 @@ from remat.graph.profiles import PROFILE_NAMES
 from remat.meter import allocator_peak_bytes, training_step
 from remat.models import TinyGPT
 from remat.pipeline import analyze
+from remat.plots import pareto_plot, timeline_plot
 from remat.presets import PRESETS, build, parse_settings
 from remat.problem import Problem
 from remat.report import explain_plan
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
+from remat.solver.plan import Plan
 from remat.solver.registry import HEURISTICS, SOLVERS, solve
 from remat.verify import verify
 
@@ -98,6 +102,8 @@ def demo(args: argparse.Namespace) -> int:
     runs: list[tuple[str, dict[str, object]]] = [(n, {"plan": n}) for n in FIXED_PLANS]
     runs += [(n, {"solver": n}) for n in ("block", "megatron", "chen_greedy")]
     block_peak: int | None = None
+    plans: dict[str, Plan] = {}
+    problem: Problem | None = None
     for name, opts in runs + [("auto", {})]:
         if name == "auto":
             # The exact MILP at the every-block-checkpointed peak: same memory, less recompute.
@@ -111,6 +117,8 @@ def demo(args: argparse.Namespace) -> int:
         if name == "block":
             block_peak = result.module.plan.predicted_peak_bytes
         plan = result.module.plan
+        plans[name] = plan
+        problem = result.module._first.problem
         step = result.steps[-1]
         alloc = allocator_peak_bytes(partial(_step_without_grads, result.module, tokens))
         sim = plan.simulation
@@ -139,7 +147,52 @@ def demo(args: argparse.Namespace) -> int:
         f"outputs, gradients, parameters and buffers bitwise equal over {args.steps} AdamW "
         "steps with dropout on. time: planning plus the run."
     )
+    if args.out and problem is not None:
+        _demo_sweep(console, args, plans, problem)
     return 0 if ok else 1
+
+
+def _demo_sweep(
+    console: Console, args: argparse.Namespace, plans: dict[str, Plan], problem: Problem
+) -> None:
+    """Every solver at budgets from the least peak to keep-all's; Pareto and timeline plots."""
+    config = SolverConfig(time_limit_s=args.time_limit)
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    least = min(_least_peak(problem, n, config) for n in HEURISTICS)
+    budgets = [least + (keep_all - least) * k // (args.budgets - 1) for k in range(args.budgets)]
+    points: dict[str, list[tuple[int, float]]] = {}
+    table = Table(title="recompute % of the step, by solver and budget (- : does not fit)",
+                  box=box.SIMPLE_HEAD)  # fmt: skip
+    table.add_column("solver")
+    for b in budgets:
+        table.add_column(f"{_mib(b)} MiB", justify="right")
+    for name in SOLVERS:
+        cells = []
+        for b in budgets:
+            try:
+                with console.status(f"sweep: {name} at {_mib(b)} MiB..."):
+                    plan = solve(problem, solver=name, budget_bytes=b, config=config)
+            except (BudgetError, ValueError, RuntimeError):
+                cells.append("-")
+                continue
+            sim = plan.simulation
+            pct = 100 * sim.recompute_time_s / sim.step_time_s
+            points.setdefault(name, []).append((plan.predicted_peak_bytes, pct))
+            cells.append(f"{pct:.2f}")
+        table.add_row(name, *cells)
+    console.print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        pareto = pareto_plot(points, out / "pareto.png")
+        timeline = timeline_plot(
+            {k: v for k, v in plans.items() if k in ("keep_all", "auto @ block peak")},
+            out / "timeline.png",
+        )
+    except ImportError as e:
+        console.print(f"[yellow]no plots: {escape(str(e))}")
+        return
+    console.print(f"wrote {pareto} (overhead vs peak per solver) and {timeline} (memory timeline)")
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -357,6 +410,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
         "--time-limit", type=float, default=30.0, help="seconds for the exact MILP (auto row)"
+    )
+    d.add_argument("--budgets", type=int, default=4, help="budgets of the solver sweep")
+    d.add_argument(
+        "--out", default="remat-demo", help="folder for pareto.png and timeline.png ('' : none)"
     )
     d.set_defaults(func=demo)
     p = sub.add_parser(

@@ -7,14 +7,21 @@ import pytest
 from remat.cli import main
 
 
-def test_demo_runs_and_reports_equal(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_runs_and_reports_equal(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    out_dir = Path(str(tmp_path)) / "demo"
     code = main(["demo", "--layers", "2", "--dim", "32", "--heads", "2", "--vocab", "64",
-                 "--seq", "16", "--batch", "2", "--steps", "1", "--time-limit", "5"])  # fmt: skip
+                 "--seq", "16", "--batch", "2", "--steps", "1", "--time-limit", "5",
+                 "--budgets", "3", "--out", str(out_dir)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     for plan in ("keep_all", "keep_inputs", "keep_matmuls", "block", "megatron", "auto @"):
         assert plan in out
     assert "DIFFER" not in out and out.count("equal") >= 7
+    assert "lp_round" in out and "by solver and budget" in out  # the sweep
+    for png in ("pareto.png", "timeline.png"):
+        assert (out_dir / png).stat().st_size > 10_000
 
 
 SMALL = ["--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2", "--seq", "64"]

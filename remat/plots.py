@@ -1,0 +1,76 @@
+"""Figures: the overhead-vs-peak Pareto front of each solver, and a plan's memory timeline.
+
+matplotlib is an optional dependency (``pip install 'remat[plots]'``); it is imported when a
+figure is drawn, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from remat.solver.plan import Plan
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'remat[plots]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def pareto_plot(points: Mapping[str, Sequence[tuple[int, float]]], path: str | Path) -> Path:
+    """One curve per solver: (predicted peak bytes, recompute % of the step) at each budget."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # The exact MILP last and widest: where another solver matches it, both stay visible.
+    for name, pts in sorted(points.items(), key=lambda kv: (kv[0] == "exact", kv[0])):
+        if not pts:
+            continue
+        xs, ys = zip(*sorted(set(pts)), strict=True)
+        exact = name == "exact"
+        ax.plot(
+            [x / 2**20 for x in xs],
+            ys,
+            marker="o",
+            label=name,
+            linewidth=3 if exact else 1.2,
+            alpha=0.6 if exact else 1.0,
+            zorder=1 if exact else 2,
+        )
+    ax.set_xlabel("predicted step peak (MiB)")
+    ax.set_ylabel("recompute time (% of the step)")
+    ax.set_title("memory vs recompute, per solver")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def timeline_plot(plans: Mapping[str, Plan], path: str | Path) -> Path:
+    """Live bytes over the step's execution order, one line per plan, recomputations marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, plan in plans.items():
+        steps = plan.simulation.timeline
+        ys = [s.allocated_bytes / 2**20 for s in steps]
+        (line,) = ax.plot(range(len(ys)), ys, label=f"{name} (peak {max(ys):,.1f} MiB)")
+        rec = [i for i, s in enumerate(steps) if s.recompute]
+        if rec:
+            ax.scatter(rec, [ys[i] for i in rec], s=4, color=line.get_color(), alpha=0.6)
+    ax.set_xlabel("step of the executor (forward, then backward with recomputations dotted)")
+    ax.set_ylabel("allocated (MiB)")
+    ax.set_title("memory timeline")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
