@@ -89,3 +89,7 @@ def fake_mode() -> Iterator[FakeTensorMode]:
     """A FakeTensorMode under which models of any size can be built and planned."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
+
+
+wrap_with_autocast = torch.ops.higher_order.wrap_with_autocast
+"""The higher-order op ``torch.export`` records an autocast region as."""

@@ -91,13 +91,17 @@ def training_step(
     kwargs: Mapping[str, Any] | None = None,
     *,
     seed: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Forward, then backward with dense random output gradients (as a loss such as
     cross-entropy produces), drawn from their own generator so the global random stream is
     untouched. The outputs stay alive until the backward has run, as in a training loop.
-    Gradients accumulate into ``.grad``."""
+    Gradients accumulate into ``.grad``. ``autocast``: run the forward (not the backward, as
+    PyTorch recommends) under ``torch.autocast`` with this dtype."""
     gen = torch.Generator().manual_seed(seed)
-    out = output_tensors(module(*args, **(kwargs or {})))
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+        out = output_tensors(module(*args, **(kwargs or {})))
     diff = [t for t in out if t.requires_grad]
     tangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in diff]
     torch.autograd.backward(diff, tangents)
@@ -110,8 +114,9 @@ def measure_step(
     kwargs: Mapping[str, Any] | None = None,
     *,
     seed: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> StepMeasurement:
     """Run :func:`training_step` under a :class:`LiveMemoryMeter`."""
     with LiveMemoryMeter() as meter:
-        outputs = training_step(module, args, kwargs, seed=seed)
+        outputs = training_step(module, args, kwargs, seed=seed, autocast=autocast)
     return StepMeasurement(meter.peak_bytes, outputs)

@@ -18,6 +18,7 @@ from torch import nn
 
 from remat.api import _as_args, optimize
 from remat.meter import measure_step
+from remat.pipeline import AUTOCAST
 from remat.rewrite.module import RematModule
 
 
@@ -87,6 +88,9 @@ def verify(
     """
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
+    # Mixed precision: the eager reference runs its forward under autocast; the remat module
+    # carries the casts in its graphs.
+    autocast = AUTOCAST[optimize_kwargs.get("precision", "fp32")]
     ref, work = copy.deepcopy(model), copy.deepcopy(model)
     fast = optimize(work, args, example_kwargs=kwargs, **optimize_kwargs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
@@ -96,7 +100,7 @@ def verify(
         opt_ref.zero_grad(set_to_none=True)
         opt_fast.zero_grad(set_to_none=True)
         torch.manual_seed(1000 + step)
-        eager = measure_step(ref, args, kwargs, seed=step)
+        eager = measure_step(ref, args, kwargs, seed=step, autocast=autocast)
         torch.manual_seed(1000 + step)
         measured = measure_step(fast, args, kwargs, seed=step)
         bad = compare(ref, fast, eager.outputs, measured.outputs, step)

@@ -10,6 +10,7 @@ non-tensor leaves) is recorded and rebuilt at run time.
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import traceback
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+from remat import _torch_compat as tc
 
 PREFIX = "model."
 """Names of parameters and buffers inside the captured wrapper start with this."""
@@ -105,6 +108,97 @@ class _FlatModel(nn.Module):
         return tuple(leaves[i] for i in positions)
 
 
+def under_autocast(
+    device_type: str,
+    dtype: torch.dtype | None,
+    enabled: bool,
+    cache_enabled: bool | None,
+    target: Any,
+    /,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run one op of an autocast region under that region's autocast settings."""
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
+        return target(*args, **kwargs)
+
+
+def inline_autocast(gm: torch.fx.GraphModule) -> None:
+    """Replace export's ``wrap_with_autocast`` regions by their ops, each run under the region's
+    autocast settings (:func:`under_autocast`).
+
+    Same values (autocast acts op by op), but every op keeps its own node metadata: traced
+    through the region as a whole, the joint graph's ops would all inherit the region's
+    metadata and lose their module paths.
+    """
+    hop = tc.wrap_with_autocast
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not hop:
+            continue
+        body = getattr(gm, node.args[4].target)
+        outputs = _inline_region(gm, node.args[:4], body, node.args[5:], node)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            raise CaptureError("an autocast region's output is used other than by indexing")
+        sub = node.args[4]
+        graph.erase_node(node)
+        if not sub.users:
+            graph.erase_node(sub)
+    graph.lint()
+    gm.recompile()
+
+
+def _inline_region(
+    gm: torch.fx.GraphModule,
+    settings: tuple[Any, ...],
+    body: torch.fx.GraphModule,
+    operands: tuple[Any, ...],
+    anchor: torch.fx.Node,
+) -> list[Any]:
+    """Copy ``body``'s ops before ``anchor``, each wrapped in :func:`under_autocast`; nested
+    regions recursively with their own settings (the innermost context wins, as in eager)."""
+    hop = tc.wrap_with_autocast
+    graph = gm.graph
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    env: dict[torch.fx.Node, Any] = dict(zip(placeholders, operands, strict=True))
+    for inner in body.graph.nodes:
+        if inner.op == "placeholder":
+            continue
+        if inner.op == "output":
+            return list(torch.fx.node.map_arg(inner.args[0], env.__getitem__))
+        if inner.op == "get_attr":
+            env[inner] = getattr(body, inner.target)  # a nested region's body
+            continue
+        if inner.op != "call_function":
+            raise CaptureError(f"unexpected {inner.op} node in an autocast region")
+        if inner.target is hop:
+            env[inner] = _inline_region(
+                gm,
+                inner.args[:4],
+                env[inner.args[4]],
+                tuple(torch.fx.node.map_arg(inner.args[5:], env.__getitem__)),
+                anchor,
+            )
+            continue
+        if inner.target is operator.getitem and isinstance(env.get(inner.args[0]), list):
+            env[inner] = env[inner.args[0]][inner.args[1]]
+            continue
+        args = torch.fx.node.map_arg(inner.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(inner.kwargs, env.__getitem__)
+        with graph.inserting_before(anchor):
+            if isinstance(inner.target, torch._ops.OpOverload):
+                new = graph.call_function(under_autocast, (*settings, inner.target, *args), kwargs)
+            else:  # operator.getitem and the like: no dispatch, nothing to autocast
+                new = graph.call_function(inner.target, args, kwargs)
+        new.meta = dict(inner.meta)
+        env[inner] = new
+    raise CaptureError("an autocast region without an output")
+
+
 def input_layout(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> InputLayout:
     """Validate example inputs and split kwargs into tensors and constants."""
     for i, a in enumerate(args):
@@ -180,6 +274,8 @@ def capture(
     if method in ("auto", "export"):
         try:
             gm = torch.export.export(wrapper, flat_inputs, strict=False).module()
+            if autocast is not None:
+                inline_autocast(gm)  # type: ignore[arg-type]
             used = "export"
         except Exception as e:  # noqa: BLE001 - re-raised with context below
             export_error = e
