@@ -93,3 +93,14 @@ def test_compare_sweeps_every_solver_to_csv(
         if not r["error"]:
             assert int(r["total_bytes"]) <= int(r["budget_bytes"])
     assert "n_layer=2" in capsys.readouterr().out
+
+
+def test_plan_any_transformers_architecture(capsys: pytest.CaptureFixture[str]) -> None:
+    """hf:MODEL_TYPE with --set overrides: an architecture no preset covers (GQA, SiLU MLP)."""
+    code = main(["plan", "hf:mistral", "--set", "num_hidden_layers=2", "--set", "hidden_size=64",
+                 "--set", "intermediate_size=128", "--set", "num_attention_heads=4",
+                 "--set", "num_key_value_heads=2", "--set", "vocab_size=128", "--seq", "64",
+                 "--batch", "2", "--budget-gb", "0.01", "--device", "a100", "--time-limit", "5"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "mistral (transformers config)" in out and "model.layers.*.self_attn" in out
