@@ -61,7 +61,8 @@ def test_auto_between_least_and_keep_all(case: Case) -> None:
             time_limit_s=LIMIT,
         )
         assert result.module.plan.predicted_peak_bytes <= budget
-        costs.append(result.module.plan.recompute_time_s)
+        if "optimal" in result.module.plan.reason:  # time-limited plans need not be monotone
+            costs.append(result.module.plan.recompute_time_s)
     assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"
 
 
@@ -82,7 +83,7 @@ def test_chen_finds_the_block_boundaries_of_hf_gpt2() -> None:
 )
 def test_optimizing_solvers_at_five_budgets(case: Case, solver: str) -> None:
     """From the least peak found to keep_all's: bitwise, measured == predicted, within budget,
-    and (for the exact MILP) cost never growing with the budget."""
+    and (for the exact MILP) proven optimal costs never growing with the budget."""
     torch.manual_seed(0)
     model = case.build()
     problem = remat.analyze(model, case.inputs(), case.kwargs).problem
@@ -111,6 +112,11 @@ def test_optimizing_solvers_at_five_budgets(case: Case, solver: str) -> None:
         assert plan.predicted_peak_bytes <= budget
         if plan.lower_bound_s is not None:
             assert plan.lower_bound_s <= plan.recompute_time_s + 1e-12
-        costs.append(plan.recompute_time_s)
+        if "optimal" in plan.reason:
+            costs.append(plan.recompute_time_s)
     if solver == "exact":
+        # Only proven optima must be monotone: a plan found when the 10 s limit ran out may be
+        # beaten at a smaller budget by one that was proven (a CI run saw 4.54 then 4.86 us).
+        # Within 10 s the small Llama proves only its keep-all budget; the sweep property is
+        # tested with every point proven in tests/solver/test_closed_form.py.
         assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"
