@@ -136,6 +136,13 @@ def _mergeable_views(problem: Problem) -> dict[str, str]:
         for base, members in groups.items():
             if values[base].role in EXTERNAL_ROLES:
                 continue  # the caller holds it: always available, no bytes to hold
+            if set(values[base].allocates) != set(values[base].storages):
+                # The base does not own the storage (it is a view whose storage is not its
+                # first input's, or a tuple projection): the argument above assumes it does.
+                for view in members:
+                    del cand[view]
+                changed = True
+                break
             group = {base, *members}
             ext = {
                 u: direct[u].union(
