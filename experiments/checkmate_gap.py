@@ -29,7 +29,7 @@ from remat.models import TinyGPT
 from remat.solver.checkmate import checkmate_bound
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
-from remat.solver.registry import HEURISTICS, solve
+from remat.solver.registry import HEURISTICS, least_peak, solve
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -75,7 +75,7 @@ def main() -> None:
         problem = remat.analyze(model, inputs, device_profile="a100").problem
         nodes = len(compress(problem).problem.values)
         keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
-        least = min(_least(problem, n, config) for n in HEURISTICS)  # a peak some plan reaches
+        least = min(least_peak(problem, n, config) for n in HEURISTICS)  # a peak some plan reaches
         budgets = [
             least + (keep_all - least) * k // max(1, args.budgets - 1) for k in range(args.budgets)
         ]
@@ -143,15 +143,6 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     console.print(f"wrote {out}")
-
-
-def _least(problem: remat.Problem, name: str, config: SolverConfig) -> int:
-    try:
-        return solve(problem, solver=name, budget_bytes=0, config=config).predicted_peak_bytes
-    except BudgetError as e:
-        return e.least_peak_bytes
-    except ValueError:
-        return 1 << 62
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from rich.table import Table
 
 import remat
 from remat.solver.config import BudgetError, SolverConfig
-from remat.solver.registry import HEURISTICS, solve
+from remat.solver.registry import HEURISTICS, least_peak, solve
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -52,7 +52,7 @@ def main() -> None:
     config = SolverConfig(time_limit_s=args.time_limit)
     keep_all = solve(problem, solver="keep_all", budget_bytes=None)
     least = min(
-        _least(problem, name, config) for name in HEURISTICS
+        least_peak(problem, name, config) for name in HEURISTICS
     )  # the least peak any heuristic reaches
     step_s = keep_all.simulation.step_time_s
     budgets = [
@@ -151,15 +151,6 @@ def _table2(console: Console, rows: list[dict[str, object]]) -> None:
             f"Table 2: {name:12s} recompute {rec:.3f}x optimal, total compute {tot:.3f}x "
             f"(geomean of {len(xs)} budgets)"
         )
-
-
-def _least(problem: remat.Problem, name: str, config: SolverConfig) -> int:
-    try:
-        return solve(problem, solver=name, budget_bytes=0, config=config).predicted_peak_bytes
-    except BudgetError as e:
-        return e.least_peak_bytes
-    except ValueError:
-        return 1 << 62
 
 
 if __name__ == "__main__":

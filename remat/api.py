@@ -16,6 +16,7 @@ from remat.budget import (
     DeviceBudget,
     DeviceBudgetError,
     Options,
+    StaticMemory,
     device_budget,
     static_memory,
 )
@@ -160,13 +161,19 @@ def _device_budget(
         budget_bytes = int(budget_gb * GB)
     if budget_bytes is None:
         return None
+    return device_budget(
+        budget_bytes, model_static_memory(model, options), options, reserve_fraction
+    )
+
+
+def model_static_memory(model: nn.Module, options: Options) -> StaticMemory:
+    """:func:`remat.budget.static_memory` of ``model``'s parameters as it holds them."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    static = static_memory(
+    return static_memory(
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
         frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
         trainable=sum(p.numel() for p in trainable),
         frozen=sum(p.numel() for p in frozen),
         options=options,
     )
-    return device_budget(budget_bytes, static, options, reserve_fraction)

@@ -28,15 +28,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from remat.api import optimize
+from remat.api import model_static_memory, optimize
 from remat.budget import (
     DEFAULT_RESERVE,
     GB,
     Options,
-    StaticMemory,
     StaticMemoryError,
     device_budget,
-    static_memory,
 )
 from remat.graph.profiles import PROFILE_NAMES
 from remat.meter import allocator_peak_bytes, training_step
@@ -49,7 +47,7 @@ from remat.report import explain_plan
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
 from remat.solver.plan import Plan
-from remat.solver.registry import HEURISTICS, SOLVERS, solve
+from remat.solver.registry import HEURISTICS, SOLVERS, least_peak, solve
 from remat.verify import verify
 
 
@@ -158,7 +156,7 @@ def _demo_sweep(
     """Every solver at budgets from the least peak to keep-all's; Pareto and timeline plots."""
     config = SolverConfig(time_limit_s=args.time_limit)
     keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
-    least = min(_least_peak(problem, n, config) for n in HEURISTICS)
+    least = min(least_peak(problem, n, config) for n in HEURISTICS)
     budgets = [least + (keep_all - least) * k // (args.budgets - 1) for k in range(args.budgets)]
     points: dict[str, list[tuple[int, float]]] = {}
     table = Table(title="recompute % of the step, by solver and budget (- : does not fit)",
@@ -281,10 +279,10 @@ def compare_command(args: argparse.Namespace) -> int:
             grads_held=not options.grads_released,
         ).problem
     config = SolverConfig(time_limit_s=args.time_limit)
-    static = _static_of(built.model, options)
+    static = model_static_memory(built.model, options)
     if args.sweep:
         keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
-        least = min(_least_peak(problem, n, config) for n in HEURISTICS)
+        least = min(least_peak(problem, n, config) for n in HEURISTICS)
         # Device totals whose step budgets run from the least peak to keep_all's.
         budgets = [
             math.ceil((least + (keep_all - least) * k // max(1, args.sweep - 1) + static.total)
@@ -355,27 +353,6 @@ def compare_command(args: argparse.Namespace) -> int:
             w.writerows(rows)
         console.print(f"wrote {args.csv}")
     return 0
-
-
-def _static_of(model: torch.nn.Module, options: Options) -> StaticMemory:
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    return static_memory(
-        sum(p.numel() * p.element_size() for p in trainable),
-        sum(p.numel() * p.element_size() for p in frozen),
-        sum(p.numel() for p in trainable),
-        sum(p.numel() for p in frozen),
-        options,
-    )
-
-
-def _least_peak(problem: Problem, name: str, config: SolverConfig) -> int:
-    try:
-        return solve(problem, solver=name, budget_bytes=0, config=config).predicted_peak_bytes
-    except BudgetError as e:
-        return e.least_peak_bytes
-    except ValueError:
-        return 1 << 62
 
 
 def _gb_text(n: float) -> str:

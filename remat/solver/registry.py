@@ -161,6 +161,17 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
     )
 
 
+def least_peak(problem: Problem, name: str, config: SolverConfig | None = None) -> int:
+    """The least peak ``name`` reaches (its plan at budget 0, or the peak its error states);
+    a huge number if the solver does not apply (e.g. no blocks)."""
+    try:
+        return solve(problem, solver=name, budget_bytes=0, config=config).predicted_peak_bytes
+    except BudgetError as e:
+        return e.least_peak_bytes
+    except ValueError:
+        return 1 << 62
+
+
 def _with_reason(plan: Plan, solver: str, reason: str) -> Plan:
     return dataclasses.replace(plan, solver=solver, reason=reason)
 
