@@ -399,6 +399,20 @@ class _Model:
 
         self.used_from = used_from
 
+        # No second copies (remat.solver.schedule): an op is not recomputed at t while another
+        # holder of a storage it allocates (a saved view, a view recomputed earlier, a backward
+        # value, the caller's user output) is materialised before t and still in use.
+        for o in self.fwd:
+            for s in values[o].allocates:
+                for t, r in self.R_of[o]:
+                    if s in self.user_storages or s in self.pre_hold[t]:
+                        lp += r == 0, f"copy_{_safe(s)}_{t}"
+                        continue
+                    for h in self.fwd_storages.get(s, ()):
+                        use = used_from(h, t)
+                        if h == o or (isinstance(use, float) and use == 0.0):
+                            continue
+                        lp += avail(h, t, strict=True) + r + use <= 2
         # Storage liveness at each stage's op (b_t) and in the gap before it.
         total = 0
         at_op: list[list[tuple[int, pulp.LpVariable]]] = [[] for _ in range(T)]

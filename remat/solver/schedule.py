@@ -11,7 +11,13 @@ The executor:
 * before each backward op, recomputes the forward values it needs that are neither saved nor
   already recomputed, in graph order, and keeps each until its last use: a value is recomputed
   at most once;
-* never recomputes a random op: a plan that would need to is invalid.
+* never recomputes a random op: a plan that would need to is invalid;
+* never recomputes an op while a value holding its output's old storage (a saved view of it,
+  say) is still to be used: the recomputation would allocate a second copy of that storage.
+  Such an op is saved instead. For an op with one output that is never worse: its storage is
+  live until then anyway, and saving it holds that one copy no longer than the recomputed copy
+  would have lived, without the recompute time. (An op with several outputs, saved whole,
+  may hold its other outputs longer: still correct, possibly not the cheapest.)
 """
 
 from __future__ import annotations
@@ -50,19 +56,12 @@ def build_schedule(problem: Problem, saved: Iterable[str]) -> Schedule:
         raise InvalidPlanError(f"only forward values can be saved; not forward: {bad[:5]}")
 
     external = {v.name for v in problem.values if v.role in EXTERNAL_ROLES}
-    available = external | saved_set | {v.name for v in problem.values if v.role is Role.TANGENT}
-    backward: list[str] = []
-    recomputed: list[str] = []
-    for v in problem.values:
-        if v.role is not Role.BACKWARD:
-            continue
-        missing = _recompute_closure(problem, v.inputs, available)
-        for name in sorted(missing, key=index.__getitem__):
-            backward.append(name)
-            recomputed.append(name)
-        available |= missing
-        backward.append(v.name)
-        available.add(v.name)
+    while True:
+        backward, recomputed = _backward_order(problem, saved_set, external)
+        promote = _second_copies(problem, saved_set, backward, frozenset(recomputed))
+        if not promote:
+            break
+        saved_set |= promote
 
     read = {i for name in backward for i in values[name].inputs}
     saved_used = tuple(sorted(saved_set & read, key=index.__getitem__))
@@ -83,6 +82,70 @@ def build_schedule(problem: Problem, saved: Iterable[str]) -> Schedule:
         backward=tuple(backward),
         recomputed=tuple(recomputed),
     )
+
+
+def _backward_order(
+    problem: Problem, saved: frozenset[str], external: set[str]
+) -> tuple[list[str], list[str]]:
+    """Backward ops in order with recomputations inlined, and the recomputed ops."""
+    index = problem.index
+    available = external | saved | {v.name for v in problem.values if v.role is Role.TANGENT}
+    backward: list[str] = []
+    recomputed: list[str] = []
+    for v in problem.values:
+        if v.role is not Role.BACKWARD:
+            continue
+        missing = _recompute_closure(problem, v.inputs, available)
+        for name in sorted(missing, key=index.__getitem__):
+            backward.append(name)
+            recomputed.append(name)
+        available |= missing
+        backward.append(v.name)
+        available.add(v.name)
+    return backward, recomputed
+
+
+def _second_copies(
+    problem: Problem, saved: frozenset[str], backward: list[str], recomputed: frozenset[str]
+) -> frozenset[str]:
+    """Recomputed ops that would allocate a storage some live value still holds.
+
+    A value holds its storages from its op (from the start for saved values) to its last use
+    in the backward graph; gradients and user outputs (the caller's) to the end. When a recomputed op runs, any other live
+    holder of a storage it allocates holds the forward's copy: the op would make a second.
+    """
+    values = problem.by_name
+    end = len(backward)
+    last: dict[str, int] = {}
+    for k, name in enumerate(backward):
+        for i in values[name].inputs:
+            last[i] = k
+    for g in problem.grad_outputs if problem.grads_held else ():
+        last[g] = end
+    owned = {s for n in recomputed for s in values[n].allocates}
+    if not owned:
+        return frozenset()
+    # Live holders of the recomputed ops' storages, as (storage -> holder -> last use).
+    live: dict[str, dict[str, int]] = {s: {} for s in owned}
+    for n in saved:
+        for s in values[n].storages:
+            if s in live and n in last:
+                live[s][n] = last[n]
+    for n in problem.user_outputs:  # the caller holds them all step long
+        for s in values[n].storages:
+            if s in live:
+                live[s][f"{n} (caller's copy)"] = end
+    promote = set()
+    for k, name in enumerate(backward):
+        v = values[name]
+        if name in recomputed:
+            for s in v.allocates:
+                if any(u >= k for h, u in live[s].items() if h != name):
+                    promote.add(name)
+        for s in v.storages:
+            if s in live:
+                live[s][name] = last.get(name, k)
+    return frozenset(promote)
 
 
 def _recompute_closure(problem: Problem, names: Iterable[str], available: set[str]) -> set[str]:

@@ -116,6 +116,10 @@ def _run_graph(
         if name not in last_use and name not in outputs:
             frees.setdefault(k, []).append(name)
     for k, name in enumerate(ops):
+        if name in recomputed:
+            # build_schedule saves such an op instead: its storage cannot be named twice.
+            held = [s for s in problem.by_name[name].allocates if mem.holders[s]]
+            assert not held, f"recomputing {name} would copy storages still held: {held}"
         mem.hold(name)
         allocated = mem.live
         for dead in frees.get(k, ()):
