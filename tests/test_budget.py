@@ -142,7 +142,7 @@ def test_report_prints_the_breakdown_and_the_plan_by_module() -> None:
 def test_mixed_precision_trains_bitwise_without_dropout_and_keeps_module_paths() -> None:
     """bf16 autocast: same outputs and gradients as eager under autocast, measured ==
     predicted, and the graph keeps its module paths (export's autocast regions are inlined op
-    by op). With dropout the gradients still differ (documented, under investigation)."""
+    by op)."""
     from tests.checks import assert_trains_like_eager
 
     torch.manual_seed(0)
@@ -156,3 +156,22 @@ def test_mixed_precision_trains_bitwise_without_dropout_and_keeps_module_paths()
     assert any(v.op == "aten._to_copy.default" for v in problem.values)  # the casts are there
     paths = {v.module_path for v in problem.values if v.role.value == "forward"}
     assert {"blocks.0.qkv", "blocks.1.fc1"} <= paths
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_mixed_precision_dropout_trains_bitwise(precision: str, p: float) -> None:
+    """16-bit dropout on CPU: eager's backward is ``g * noise`` with ``1 / (1 - p)`` rounded to
+    16 bits, not ``native_dropout_backward``'s float scale; the joint graph computes it so."""
+    from tests.checks import assert_trains_like_eager
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(p), nn.Linear(8, 8))
+    x = torch.randn(4, 16, 8)
+    for plan in ("keep_all", "keep_inputs"):
+        assert_trains_like_eager(model, (x,), {}, steps=2, plan=plan, precision=precision)
+    torch.manual_seed(0)
+    gpt = TinyGPT(vocab=64, dim=32, heads=2, layers=1, seq=16, dropout=p)
+    assert_trains_like_eager(
+        gpt, (torch.randint(0, 64, (2, 16)),), {}, steps=2, plan="keep_matmuls", precision=precision
+    )

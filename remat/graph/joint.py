@@ -133,6 +133,7 @@ def build_joint(captured: Captured) -> JointGraph:
             total.meta["partitioner_tag"] = "is_backward"
         grad_pairs.append((total.name, grad_of[target_name]))
 
+    _dropout_backward_as_eager(graph)
     _split_dropout(graph)
     names = {n.name: n for n in graph.nodes}
     kept = (*user, *(m for m, _ in mutations), *(g for g, _ in grad_pairs))
@@ -197,6 +198,50 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
             if index in parts:
                 parts[index].replace_all_uses_with(replacement)
                 graph.erase_node(parts[index])
+        graph.erase_node(node)
+
+
+def _dropout_backward_as_eager(graph: torch.fx.Graph) -> None:
+    """Rewrite a 16-bit ``native_dropout_backward(g, mask, scale)`` on CPU as eager autograd
+    computes it: ``g * (mask.to(g.dtype) / (1 - p))``.
+
+    On CPU eager ``F.dropout`` does not call the fused op (``is_fused_kernel_acceptable`` is
+    CUDA/XPU-only): it draws ``noise`` in the input's dtype, ``noise.div_(1 - p)``, returns
+    ``input * noise``, and ``MulBackward`` gives ``g * noise``, the scale rounded to the 16-bit
+    dtype. The traced graph's ``native_dropout_backward`` is ``g * mask * scale`` with the scale
+    kept in float: different bits unless ``1 / (1 - p)`` is exact in 16 bits (p = 0.5, 0.2).
+    The forward of the fused op already equals eager's and is left alone; float32 is left
+    alone too (checked bitwise by the zoo tests). The new nodes are backward-only, so the
+    saved values (the bool mask) do not change.
+    """
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.target is not aten.native_dropout_backward.default:
+            continue
+        grad, mask, scale = node.args[0], node.args[1], node.args[2]
+        gv = grad.meta["val"]
+        if gv.dtype not in (torch.bfloat16, torch.float16) or gv.device.type != "cpu":
+            continue
+        if not isinstance(scale, float) or scale == 0.0:
+            continue
+        keep = 1.0 / scale  # 1 - p, taken from the forward op itself where it can be found
+        source = mask.args[0] if mask.target is operator.getitem else None
+        if source is not None and source.target is aten.native_dropout.default:
+            keep = 1.0 - source.args[1]
+        mode = getattr(gv, "fake_mode", None)
+        with graph.inserting_before(node):
+            as_float = graph.call_function(aten._to_copy.default, (mask,), {"dtype": gv.dtype})
+            noise = graph.call_function(aten.div.Tensor, (as_float, keep))
+            out = graph.call_function(aten.mul.Tensor, (grad, noise))
+        with mode or contextlib.nullcontext():
+            as_float.meta["val"] = torch.empty_like(mask.meta["val"], dtype=gv.dtype)
+            noise.meta["val"] = torch.empty_like(as_float.meta["val"])
+        out.meta["val"] = node.meta["val"]
+        for new in (as_float, noise, out):
+            for key in ("nn_module_stack", "seq_nr", "partitioner_tag", "stack_trace"):
+                if key in node.meta:
+                    new.meta[key] = node.meta[key]
+        node.replace_all_uses_with(out)
         graph.erase_node(node)
 
 

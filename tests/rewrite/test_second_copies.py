@@ -9,8 +9,8 @@ from torch import nn
 
 import remat
 from remat.solver import make_plan
-from remat.solver.simulate import simulate
 from remat.solver.schedule import build_schedule
+from remat.solver.simulate import simulate
 from tests.checks import assert_trains_like_eager
 
 
