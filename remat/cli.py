@@ -352,6 +352,14 @@ def compare_command(args: argparse.Namespace) -> int:
             w.writeheader()
             w.writerows(rows)
         console.print(f"wrote {args.csv}")
+    if args.plot:
+        points: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if not r["error"]:
+                points.setdefault(str(r["solver"]), []).append(
+                    (int(r["step_peak_bytes"]), float(r["recompute_pct"]))  # type: ignore[call-overload, arg-type]
+                )
+        console.print(f"wrote {pareto_plot(points, args.plot)} (overhead vs step peak per solver)")
     return 0
 
 
@@ -418,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="instead: N budgets from the least feasible to keep-all's")  # fmt: skip
     _model_options(c)
     c.add_argument("--csv", default=None, metavar="OUT.csv")
+    c.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="Pareto plot: recompute %% vs step peak, one curve per solver")  # fmt: skip
     c.set_defaults(func=compare_command)
     args = parser.parse_args(argv)
     return int(args.func(args))

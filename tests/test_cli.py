@@ -21,7 +21,19 @@ def test_demo_runs_and_reports_equal(tmp_path: object, capsys: pytest.CaptureFix
     assert "DIFFER" not in out and out.count("equal") >= 7
     assert "lp_round" in out and "by solver and budget" in out  # the sweep
     for png in ("pareto.png", "timeline.png"):
-        assert (out_dir / png).stat().st_size > 10_000
+        _assert_real_png(out_dir / png)
+
+
+def _assert_real_png(path: object) -> None:
+    """A PNG of a plotted figure: decodable, of a figure's size, with drawn content."""
+    import matplotlib.image
+    import numpy as np
+
+    pixels = np.asarray(matplotlib.image.imread(str(path)))
+    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 500, pixels.shape
+    # Not blank: several distinct colours (axes, text, curves) on the white background.
+    colours = np.unique(pixels.reshape(-1, pixels.shape[-1]).round(2), axis=0)
+    assert len(colours) > 20 and (pixels[..., :3] < 0.5).mean() > 0.002
 
 
 SMALL = ["--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2", "--seq", "64"]
@@ -83,8 +95,9 @@ def test_compare_sweeps_every_solver_to_csv(
     from remat.solver.registry import SOLVERS
 
     out_csv = Path(str(tmp_path)) / "cmp.csv"
+    out_png = Path(str(tmp_path)) / "cmp.png"
     code = main(["compare", "gpt2", *SMALL, "--sweep", "2", "--device", "a100",
-                 "--time-limit", "5", "--csv", str(out_csv)])  # fmt: skip
+                 "--time-limit", "5", "--csv", str(out_csv), "--plot", str(out_png)])  # fmt: skip
     assert code == 0, capsys.readouterr().out
     rows = list(csv.DictReader(out_csv.open()))
     assert {r["solver"] for r in rows} == {*SOLVERS, "auto"}
@@ -93,6 +106,7 @@ def test_compare_sweeps_every_solver_to_csv(
         if not r["error"]:
             assert int(r["total_bytes"]) <= int(r["budget_bytes"])
     assert "n_layer=2" in capsys.readouterr().out
+    _assert_real_png(out_png)
 
 
 def test_plan_any_transformers_architecture(capsys: pytest.CaptureFixture[str]) -> None:
