@@ -19,6 +19,7 @@ from remat.solver.baselines import (
     keep_matmuls,
     megatron_selective,
 )
+from remat.solver.chain import chain_solver
 from remat.solver.chen import chen_greedy, chen_sqrt
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
@@ -72,18 +73,31 @@ def _heuristic_plans(
 
 LP_SHARE = 1 / 3
 """Share of the time limit the LP rounding may take before the exact MILP starts."""
+CHAIN_SHARE = 1 / 3
+"""Share of the time limit the chain solver's per-block menus may take."""
 
 
 def _starts(
     problem: Problem, budget_bytes: int | None, config: SolverConfig
 ) -> tuple[list[Plan], int | None, SolverConfig]:
-    """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, and
-    the LP rounding's when the LP solves within its share of the time limit (on graphs of a
-    few thousand values it does not, and the heuristics must do). Also returns the least peak
-    seen and the config with the time left for the MILP."""
+    """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, the
+    chain solver's (blocks and a DP, :mod:`remat.solver.chain`) when the model has repeated
+    blocks and is too large for the flat MILP, and the LP rounding's when the LP solves within
+    its share of the time limit (on graphs of a few thousand values it does not). Also returns
+    the least peak seen and the config with the time left for the MILP."""
     t0 = time.perf_counter()
     fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
-    if budget_bytes is not None and milp_size(problem) <= config.max_milp_values:
+    flat = milp_size(problem) <= config.max_milp_values
+    # The chain solver where the flat MILP is skipped (to try it on smaller graphs too, and
+    # as the MILP's warm start, is next: its menus cost seconds per budget on small models).
+    done = bool(fitting) and fitting[0].recompute_time_s == 0
+    if budget_bytes is not None and not flat and not done:
+        chain_config = dataclasses.replace(config, time_limit_s=config.time_limit_s * CHAIN_SHARE)
+        # No repeated blocks (ValueError), or no chain plan fits (BudgetError).
+        with contextlib.suppress(BudgetError, ValueError):
+            fitting.append(chain_solver(problem, budget_bytes=budget_bytes, config=chain_config))
+        fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
+    if budget_bytes is not None and flat:
         lp_config = dataclasses.replace(config, time_limit_s=config.time_limit_s * LP_SHARE)
         with contextlib.suppress(BudgetError, RuntimeError):  # no rounding fits, or no time
             fitting.append(lp_rounding(problem, budget_bytes=budget_bytes, config=lp_config))
@@ -100,7 +114,12 @@ def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     )
 
 
-SOLVERS: Mapping[str, SolverFn] = {**HEURISTICS, "lp_round": lp_rounding, "exact": exact_solver}
+SOLVERS: Mapping[str, SolverFn] = {
+    **HEURISTICS,
+    "chain": chain_solver,
+    "lp_round": lp_rounding,
+    "exact": exact_solver,
+}
 
 
 def get_solver(name: str) -> SolverFn:

@@ -180,7 +180,7 @@ def test_option_errors() -> None:
         remat.optimize(model, x, plan="keep_some")
     with pytest.raises(ValueError, match="not both"):
         remat.optimize(model, x, plan="keep_all", activation_budget_bytes=10**9)
-    with pytest.raises(ValueError, match="valid solvers: block, chen_greedy"):
+    with pytest.raises(ValueError, match="valid solvers: block, chain, chen_greedy"):
         remat.optimize(model, x, solver="gurobi", activation_budget_bytes=10**9)
     with pytest.raises(ValueError, match="valid: cpu, a100"):
         remat.optimize(model, x, device_profile="tpu")

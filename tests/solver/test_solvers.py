@@ -16,7 +16,7 @@ from remat.solver.registry import SOLVERS, get_solver, solve
 from tests.solver.builders import MiB, chain, external, op, problem
 from tests.solver.test_schedule_properties import problems
 
-RULE_BASED_NEEDING_BLOCKS = {"block"}
+RULE_BASED_NEEDING_BLOCKS = {"block", "chain"}
 
 
 def _layers(n: int) -> object:
@@ -82,7 +82,7 @@ def _least_peak(prob: object, name: str) -> int:
 
 
 def test_unknown_names_list_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="valid solvers: block, chen_greedy, chen_sqrt"):
+    with pytest.raises(ValueError, match="valid solvers: block, chain, chen_greedy, chen_sqrt"):
         get_solver("checkmate2")
     with pytest.raises(ValueError, match="valid: auto, highs, cbc"):
         SolverConfig(backend="gurobi")

@@ -1,0 +1,320 @@
+"""Hierarchical planning for chains of identical blocks: per-block menus and a DP over the chain.
+
+A 7B-70B transformer's joint graph has tens of thousands of values: too many for the flat MILP,
+and the heuristics leave time on the table. But it is a chain of identical blocks, so:
+
+1. :func:`remat.solver.structure.find_structure` finds the blocks and their classes of
+   identical structure.
+2. **Menus.** One representative block per class is cut out as a problem of its own and solved
+   with the exact MILP at budgets spread between its least and its keep-all peak, plus its two
+   ends (keep everything; keep only what must be kept). Each distinct plan is an *option*,
+   mapped onto every block of the class by position.
+3. **Costs in context.** Each option is applied to every block at once and the whole step is
+   simulated. From that timeline, per block: the bytes its saved values hold for the backward
+   (``keep``), and its forward and backward peaks minus the bytes the earlier blocks keep
+   (``fw_base``, ``bw_base``): what the block needs on top of what its predecessors hold.
+4. **DP.** Blocks are taken in forward order; the state is the bytes the blocks so far keep
+   (on a grid, rounded up); choosing option ``o`` for block ``i`` is allowed when
+   ``held + fw_base[o][i]`` and ``held + bw_base[o][i]`` fit the budget, and the tail (head and
+   loss, then the first backward ops) fits with everything kept. The least total recompute time
+   wins. Exact for this decomposition and this additive model.
+5. **The simulator has the last word.** The stitched plan is simulated; if its peak is over the
+   budget (the additive model is an approximation at block boundaries), the DP is solved again
+   for a budget smaller by the excess, a few times.
+
+Values outside the blocks (embeddings, head, loss) keep what their backward reads; every block's
+inputs are saved when its recomputation needs them, so recomputation never crosses a block
+boundary (no multi-block segments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.problem import Problem, Role
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.fixed import must_save
+from remat.solver.milp import exact, min_peak
+from remat.solver.plan import Plan, make_plan
+from remat.solver.simulate import Simulation
+from remat.solver.structure import BALLAST, Structure, block_problem, find_structure
+
+MENU_POINTS = 6
+"""Budgets the representative block is solved at, between its least and keep-all peaks."""
+GRID = 4000
+"""Bytes kept are rounded up to a grid of budget / GRID in the DP."""
+RETRIES = 6
+
+
+@dataclass(frozen=True)
+class Option:
+    saved: frozenset[str]
+    """The option's saved set in the representative block."""
+    time_s: float
+    """Recompute time of one block with this option."""
+    origin: str
+
+
+@dataclass(frozen=True)
+class _Costs:
+    keep: list[int]
+    fw_base: list[int]
+    bw_base: list[int]
+    tail_base: int
+    """Peak of the head, loss and first backward ops, less the bytes all blocks keep."""
+    head: int
+    """Peak before the first block (embeddings): independent of the plan."""
+    time_s: list[float]
+
+
+def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    """Least recompute time for a chain of blocks (see the module docstring)."""
+    t0 = time.perf_counter()
+    structure = find_structure(problem, config.block_types)
+    if not structure.repeated:
+        raise ValueError(
+            "the chain solver needs repeated blocks (identical children of a ModuleList); "
+            "none found: use a flat solver"
+        )
+    blocks = structure.blocks
+    menus = {c: _cached_menu(problem, structure, c, config) for c in structure.classes}
+    fixed = _outside_saved(problem, structure)
+    options_of = [menus[next(c for c in structure.classes if k in c)] for k in range(len(blocks))]
+    maps = {k: structure.correspondence(c[0], k) for c in structure.classes for k in c}
+
+    def stitch(choice: Sequence[int]) -> frozenset[str]:
+        saved = set(fixed)
+        for k, o in enumerate(choice):
+            option = options_of[k][min(o, len(options_of[k]) - 1)]
+            saved |= {maps[k][n] for n in option.saved}
+        return frozenset(saved)
+
+    n_opts = max(len(m) for m in menus.values())
+    uniform_sims = []
+    for o in range(n_opts):
+        choice = [min(o, len(options_of[k]) - 1) for k in range(len(blocks))]
+        uniform_sims.append((choice, make_plan(problem, stitch(choice), solver="chain", reason="")))
+    costs = [_costs(problem, structure, p.schedule.saved, p.simulation) for _, p in uniform_sims]
+    if config.progress:
+        config.progress(f"chain: {len(blocks)} blocks, {n_opts} options per block")
+
+    if budget_bytes is None:
+        target = min(p.predicted_peak_bytes for _, p in uniform_sims)
+    else:
+        target = budget_bytes
+    best: Plan | None = None
+    dp_budget = target
+    tried: set[tuple[int, ...]] = set()
+    for _ in range(RETRIES):
+        found = _dp(costs, dp_budget, len(blocks))
+        if found is None:
+            break
+        choice = found
+        key = tuple(choice)
+        if key in tried:
+            dp_budget -= max(1, target // GRID)
+            continue
+        tried.add(key)
+        plan = make_plan(problem, stitch(choice), solver="chain", reason="")
+        over = plan.predicted_peak_bytes - target
+        if over <= 0:
+            if best is None or plan.recompute_time_s < best.recompute_time_s:
+                best = plan
+            break
+        dp_budget -= over
+    # The uniform plans are candidates too (the DP's model could have ruled one out wrongly).
+    for _, p in uniform_sims:
+        if p.predicted_peak_bytes <= target and (
+            best is None or p.recompute_time_s < best.recompute_time_s
+        ):
+            best = p
+    if best is None:
+        least = min(p.predicted_peak_bytes for _, p in uniform_sims)
+        raise BudgetError(target, least, "the least peak of the chain solver's uniform plans")
+    sizes = ", ".join(f"{len(menus[c])}" for c in structure.classes)
+    reason = (
+        f"chain DP over {len(blocks)} blocks in {len(structure.classes)} class(es) "
+        f"({sizes} options from the per-block exact MILP), {time.perf_counter() - t0:.1f} s"
+    )
+    return dataclasses.replace(best, reason=reason)
+
+
+def _outside_saved(problem: Problem, structure: Structure) -> frozenset[str]:
+    """What every stitched plan saves: random values, forward values outside the blocks that
+    the backward reads, block values that backward ops outside the blocks read, and every
+    block's inputs from outside (kept only if its recomputation reads them)."""
+    values = problem.by_name
+    in_block = {n for b in structure.blocks for n in (*b.forward, *b.backward)}
+    saved = set(must_save(problem))
+    for v in problem.values:
+        if v.role is Role.BACKWARD and v.name not in in_block:
+            saved |= {i for i in v.inputs if values[i].role is Role.FORWARD}
+        elif v.role is Role.BACKWARD:
+            saved |= {i for i in v.inputs if values[i].role is Role.FORWARD and i not in in_block}
+    for b in structure.blocks:
+        inside = set(b.forward)
+        for n in b.forward:
+            saved |= {
+                i for i in values[n].inputs if values[i].role is Role.FORWARD and i not in inside
+            }
+    return frozenset(saved)
+
+
+_MENUS: dict[tuple[int, tuple[int, ...], float], tuple[weakref.ref[Problem], list[Option]]] = {}
+
+
+def _cached_menu(
+    problem: Problem, structure: Structure, cls: tuple[int, ...], config: SolverConfig
+) -> list[Option]:
+    """Menus depend on the problem, not the budget: a sweep solves them once."""
+    key = (id(problem), cls, config.time_limit_s)
+    hit = _MENUS.get(key)
+    if hit is not None and hit[0]() is problem:
+        return hit[1]
+    menu = _menu(problem, structure, cls, config)
+    for k in [k for k, (ref, _) in _MENUS.items() if ref() is None]:
+        del _MENUS[k]
+    _MENUS[key] = (weakref.ref(problem), menu)
+    return menu
+
+
+def _menu(
+    problem: Problem, structure: Structure, cls: tuple[int, ...], config: SolverConfig
+) -> list[Option]:
+    """Distinct plans of the class's representative block, from keep-all to least peak."""
+    block = structure.blocks[cls[0]]
+    sub = block_problem(problem, block)
+    fwd = sub.forward_names
+    per = dataclasses.replace(
+        config, time_limit_s=max(1.0, config.time_limit_s / (4 * MENU_POINTS + 2))
+    )
+    keep_all = make_plan(
+        sub, sub.backward_reads | set(must_save(sub)), solver="keep_all", reason=""
+    )
+    plans = [keep_all, make_plan(sub, must_save(sub), solver="keep_inputs", reason="")]
+    # Options trading what the block keeps for the later blocks' backward against time: with a
+    # ballast above the block's own backward peak, the budget bounds the bytes kept.
+    ballast = keep_all.predicted_peak_bytes
+    heavy = block_problem(problem, block, ballast)
+    lo = make_plan(heavy, must_save(heavy), solver="", reason="").predicted_peak_bytes
+    hi = make_plan(heavy, keep_all.saved, solver="", reason="").predicted_peak_bytes
+    for k in range(1, 2 * MENU_POINTS):
+        with contextlib.suppress(BudgetError, RuntimeError):
+            p = exact(heavy, budget_bytes=lo + (hi - lo) * k // (2 * MENU_POINTS), config=per)
+            plans.append(make_plan(sub, p.saved - {BALLAST}, solver="exact", reason=""))
+    # Options trading the block's own backward peak against time (the binding constraint of
+    # the last blocks, whose backward runs with everything before them kept).
+    with contextlib.suppress(RuntimeError):
+        plans.append(min_peak(sub, per))
+    hi = keep_all.predicted_peak_bytes
+    lo = min(p.predicted_peak_bytes for p in plans)
+    for k in range(1, MENU_POINTS + 1):
+        with contextlib.suppress(BudgetError, RuntimeError):
+            plans.append(
+                exact(sub, budget_bytes=lo + (hi - lo) * k // (MENU_POINTS + 1), config=per)
+            )
+    seen: dict[frozenset[str], Option] = {}
+    for p in plans:
+        saved = frozenset(n for n in p.schedule.saved if n in fwd)
+        if saved not in seen or p.recompute_time_s < seen[saved].time_s:
+            seen[saved] = Option(saved, p.recompute_time_s, p.solver)
+    # Cheapest first; an option no cheaper and no smaller than another is dropped later by the
+    # DP itself, so all are kept.
+    return sorted(seen.values(), key=lambda o: (o.time_s, -len(o.saved)))
+
+
+def _costs(problem: Problem, structure: Structure, saved: Sequence[str], sim: Simulation) -> _Costs:
+    """Per-block quantities of a uniform plan (see the module docstring, step 3)."""
+    values = problem.by_name
+    blocks = structure.blocks
+    where: dict[str, int] = {}
+    for k, b in enumerate(blocks):
+        for n in (*b.forward, *b.backward):
+            where[n] = k
+    # Bytes each block's saved values hold (a storage counted once, for its first block).
+    counted: set[str] = set()
+    keep = [0] * len(blocks)
+    for n in saved:
+        owner = where.get(n)
+        if owner is None:
+            continue
+        new = [s for s in values[n].storages if s not in counted]
+        counted.update(new)
+        keep[owner] += problem.storages_bytes(new)
+    prefix = [0]
+    for kept in keep:
+        prefix.append(prefix[-1] + kept)
+    fw_peak = [0] * len(blocks)
+    bw_peak = [0] * len(blocks)
+    tail = head = 0
+    current = -1
+    seen_block = False
+    for step in sim.timeline:
+        k = where.get(step.name, -1)
+        if step.phase == "forward":
+            if k >= 0:
+                fw_peak[k] = max(fw_peak[k], step.allocated_bytes)
+                current, seen_block = k, True
+            elif seen_block:
+                tail = max(tail, step.allocated_bytes - prefix[-1])
+            else:
+                head = max(head, step.allocated_bytes)
+            continue
+        if k >= 0:
+            bw_peak[k] = max(bw_peak[k], step.allocated_bytes)
+            current = k
+        elif step.phase == "runtime" or current == -1:
+            tail = max(tail, step.allocated_bytes - prefix[-1])
+        else:
+            bw_peak[current] = max(bw_peak[current], step.allocated_bytes)
+    rec = {s.name for s in sim.timeline if s.recompute}
+    time_s = [sum(values[n].time_s for n in (*b.forward,) if n in rec) for b in blocks]
+    return _Costs(
+        keep=keep,
+        fw_base=[fw_peak[k] - prefix[k] for k in range(len(blocks))],
+        bw_base=[bw_peak[k] - prefix[k] for k in range(len(blocks))],
+        tail_base=tail,
+        head=head,
+        time_s=time_s,
+    )
+
+
+def _dp(costs: list[_Costs], budget: int, n_blocks: int) -> list[int] | None:
+    """Least total time choice per block under the additive model, or None if none fits."""
+    if max(c.head for c in costs) > budget:
+        return None
+    unit = max(1, math.ceil(budget / GRID))
+    # state: quantised bytes kept so far -> (time, choice so far)
+    states: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for k in range(n_blocks):
+        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for held_q, (t, choice) in states.items():
+            held = held_q * unit
+            for o, c in enumerate(costs):
+                if held + c.fw_base[k] > budget or held + c.bw_base[k] > budget:
+                    continue
+                q = held_q + math.ceil(c.keep[k] / unit)
+                cand = (t + c.time_s[k], (*choice, o))
+                if q not in nxt or cand[0] < nxt[q][0]:
+                    nxt[q] = cand
+        # Drop states dominated by one holding fewer bytes for no more time.
+        pruned: dict[int, tuple[float, tuple[int, ...]]] = {}
+        best_t = math.inf
+        for q in sorted(nxt):
+            if nxt[q][0] < best_t:
+                pruned[q] = nxt[q]
+                best_t = nxt[q][0]
+        states = pruned
+        if not states:
+            return None
+    tail = max(c.tail_base for c in costs)
+    fits = [(t, ch) for q, (t, ch) in states.items() if q * unit + tail <= budget]
+    if not fits:
+        return None
+    return list(min(fits)[1])

@@ -1,0 +1,112 @@
+"""Blocks found by structure, per-block menus, the chain DP: plans that fit, run bitwise, and
+are never worse than checkpointing every block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.models import TinyGPT
+from remat.solver.chain import chain_solver
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.registry import least_peak, solve
+from remat.solver.structure import block_problem, find_structure
+from tests.checks import assert_trains_like_eager
+
+CONFIG = SolverConfig(time_limit_s=6)
+
+
+def _gpt(layers: int = 3, skip: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = SkipGPT(layers) if skip else TinyGPT(vocab=64, dim=32, heads=2, layers=layers, seq=32)
+    return model, torch.randint(0, 64, (2, 32))
+
+
+class SkipGPT(TinyGPT):
+    """A branch around the blocks: the head also reads the embeddings."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__(vocab=64, dim=32, heads=2, layers=layers, seq=32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x0 = self.drop(self.tok(idx) + self.pos(pos))
+        x = x0
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x + x0))
+
+
+class Mixed(nn.Module):
+    """A ModuleList whose last child differs in width: not identical blocks. (An input layer
+    first: otherwise the first block differs too, computing no gradient for its input.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_identical_blocks_form_one_class_and_correspond_by_position() -> None:
+    model, x = _gpt(3)
+    problem = remat.analyze(model, (x,)).problem
+    s = find_structure(problem)
+    assert [b.path for b in s.blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert s.classes == ((0, 1, 2),) and s.repeated
+    mapping = s.correspondence(0, 2)
+    values = problem.by_name
+    for a, b in mapping.items():
+        assert values[a].op == values[b].op and values[a].shape == values[b].shape
+    # A block cut out is a problem of its own: its keep-all plan runs and recomputes nothing.
+    sub = block_problem(problem, s.blocks[1])
+    plan = solve(sub, solver="keep_all", budget_bytes=None)
+    assert plan.recompute_time_s == 0 and plan.predicted_peak_bytes > 0
+
+
+def test_blocks_that_differ_land_in_different_classes() -> None:
+    problem = remat.analyze(Mixed(), (torch.randn(4, 8),)).problem
+    s = find_structure(problem)
+    assert len(s.blocks) == 3 and s.classes == ((0, 1), (2,))
+
+
+def test_no_repeated_blocks_is_a_clear_error_and_auto_falls_back() -> None:
+    from tests.zoo import ConvBN
+
+    torch.manual_seed(0)
+    problem = remat.analyze(ConvBN(), (torch.randn(2, 3, 8, 8),)).problem
+    with pytest.raises(ValueError, match="repeated blocks"):
+        chain_solver(problem, budget_bytes=1 << 40, config=CONFIG)
+    budget = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes - 1
+    assert solve(problem, solver="auto", budget_bytes=budget, config=CONFIG).solver != "chain"
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["chain", "branch_around_blocks"])
+def test_chain_plans_fit_train_bitwise_and_beat_block_checkpointing(skip: bool) -> None:
+    model, x = _gpt(3, skip)
+    problem = remat.analyze(model, (x,)).problem
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    block = solve(problem, solver="block", budget_bytes=None)
+    lo = least_peak(problem, "chain", CONFIG)
+    assert lo < keep_all
+    costs = []
+    for budget in (lo, (lo + keep_all) // 2, keep_all):
+        plan = chain_solver(problem, budget_bytes=budget, config=CONFIG)
+        assert plan.predicted_peak_bytes <= budget
+        costs.append(plan.recompute_time_s)
+        if budget >= block.predicted_peak_bytes:
+            # Every block fully checkpointed is one of the chain's options.
+            assert plan.recompute_time_s <= block.recompute_time_s + 1e-12
+    assert costs[-1] == 0.0
+    assert_trains_like_eager(model, (x,), {}, steps=2, plan=plan)
+    tight = chain_solver(problem, budget_bytes=lo, config=CONFIG)
+    assert_trains_like_eager(model, (x,), {}, steps=2, plan=tight)
+    with pytest.raises(BudgetError):
+        chain_solver(problem, budget_bytes=lo // 2, config=CONFIG)
