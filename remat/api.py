@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,7 @@ def optimize(
             precision=precision,
             grads_held=not options.grads_released,
         )
+        t_solve = time.perf_counter()
         try:
             chosen = choose_plan(
                 analysis.problem,
@@ -138,8 +140,14 @@ def optimize(
             raise DeviceBudgetError(device, e) from None
         if device is not None:
             chosen = dataclasses.replace(chosen, device_memory=device.breakdown(chosen))
+        t_rewrite = time.perf_counter()
         executor = build_executor(analysis.joint, analysis.problem, chosen)
-        return Compiled(analysis.captured, executor, analysis.problem)
+        timings = {
+            **analysis.timings,
+            "solve": t_rewrite - t_solve,
+            "rewrite": time.perf_counter() - t_rewrite,
+        }
+        return Compiled(analysis.captured, executor, analysis.problem, timings)
 
     first_compiled = planner(model, args, kwargs)
     return RematModule(model, first_compiled, signature(args, kwargs), planner)

@@ -249,7 +249,8 @@ def plan_command(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     console.print(explain_plan(fast.plan, fast._first.problem, width=console.width), end="")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    console.print(f"wall time {wall:.1f} s, max RSS {rss:.2f} GiB")
+    stages = ", ".join(f"{k} {v:.1f} s" for k, v in fast._first.timings.items())
+    console.print(f"wall time {wall:.1f} s ({stages}), max RSS {rss:.2f} GiB")
     if args.save:
         console.print(f"plan written to {fast.save_plan(args.save)}")
     return 0

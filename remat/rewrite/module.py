@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class Compiled:
     captured: Captured
     executor: Executor
     problem: Problem
+    timings: Mapping[str, float] = field(default_factory=dict)
+    """Seconds spent per planning stage: capture, joint, annotate, solve, rewrite."""
 
 
 Planner = Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], Compiled]

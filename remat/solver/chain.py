@@ -6,9 +6,10 @@ and the heuristics leave time on the table. But it is a chain of identical block
 1. :func:`remat.solver.structure.find_structure` finds the blocks and their classes of
    identical structure.
 2. **Menus.** One representative block per class is cut out as a problem of its own and solved
-   with the exact MILP at budgets spread between its least and its keep-all peak, plus its two
-   ends (keep everything; keep only what must be kept). Each distinct plan is an *option*,
-   mapped onto every block of the class by position.
+   with the exact MILP: walking down the Pareto front of (bytes the block keeps for the
+   backward, recompute time) from keep-all, each solve asking for less than the last plan
+   kept; then at a few budgets on its own backward peak; plus keep-only-what-must-be-kept.
+   Each distinct plan is an *option*, mapped onto every block of the class by position.
 3. **Costs in context.** Each option is applied to every block at once and the whole step is
    simulated. From that timeline, per block: the bytes its saved values hold for the backward
    (``keep``), and its forward and backward peaks minus the bytes the earlier blocks keep
@@ -20,7 +21,8 @@ and the heuristics leave time on the table. But it is a chain of identical block
    wins. Exact for this decomposition and this additive model.
 5. **The simulator has the last word.** The stitched plan is simulated; if its peak is over the
    budget (the additive model is an approximation at block boundaries), the DP is solved again
-   for a budget smaller by the excess, a few times.
+   for a budget smaller by the excess. From the first plan that fits, a local search moves
+   single blocks to cheaper options while the simulated plan still fits, until the time limit.
 
 Values outside the blocks (embeddings, head, loss) keep what their backward reads; every block's
 inputs are saved when its recomputation needs them, so recomputation never crosses a block
@@ -34,7 +36,7 @@ import dataclasses
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from remat.problem import Problem, Role
@@ -46,10 +48,15 @@ from remat.solver.simulate import Simulation
 from remat.solver.structure import BALLAST, Structure, block_problem, find_structure
 
 MENU_POINTS = 6
-"""Budgets the representative block is solved at, between its least and keep-all peaks."""
+"""Budgets the representative block is solved at between its least and keep-all peaks."""
+MENU_SHARE = 0.7
+"""Share of the time limit the menus may take (the DP and local search have the rest)."""
+MENU_SOLVES = 40
+"""At most this many points of the block's (bytes kept, time) Pareto front."""
 GRID = 4000
 """Bytes kept are rounded up to a grid of budget / GRID in the DP."""
-RETRIES = 6
+DP_ROUNDS = 24
+"""DP solves, each for a smaller budget, until the simulated plan fits."""
 
 
 @dataclass(frozen=True)
@@ -109,25 +116,42 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     else:
         target = budget_bytes
     best: Plan | None = None
+    best_choice: list[int] = []
+    first_over: list[int] | None = None
     dp_budget = target
+    step = max(1, target // GRID)
     tried: set[tuple[int, ...]] = set()
-    for _ in range(RETRIES):
+    for _ in range(DP_ROUNDS):
         found = _dp(costs, dp_budget, len(blocks))
         if found is None:
             break
-        choice = found
-        key = tuple(choice)
-        if key in tried:
-            dp_budget -= max(1, target // GRID)
+        key = tuple(found)
+        if key in tried:  # the DP's grid hides the difference: ask for less, faster
+            dp_budget -= step
+            step *= 2
             continue
         tried.add(key)
-        plan = make_plan(problem, stitch(choice), solver="chain", reason="")
+        plan = make_plan(problem, stitch(found), solver="chain", reason="")
         over = plan.predicted_peak_bytes - target
         if over <= 0:
-            if best is None or plan.recompute_time_s < best.recompute_time_s:
-                best = plan
+            best, best_choice = plan, found
             break
+        if first_over is None:
+            first_over = found
         dp_budget -= over
+    if first_over is not None:
+        # The DP's cheapest choice was over budget by a little: one block moved may fix it.
+        repaired = _repair(
+            problem, first_over, target, options_of, stitch, t0 + config.time_limit_s
+        )
+        if repaired is not None and (
+            best is None or repaired[0].recompute_time_s < best.recompute_time_s
+        ):
+            best, best_choice = repaired
+    if best is not None:
+        best = _local_search(
+            problem, best, best_choice, target, options_of, stitch, t0 + config.time_limit_s
+        )
     # The uniform plans are candidates too (the DP's model could have ruled one out wrongly).
     for _, p in uniform_sims:
         if p.predicted_peak_bytes <= target and (
@@ -143,6 +167,67 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         f"({sizes} options from the per-block exact MILP), {time.perf_counter() - t0:.1f} s"
     )
     return dataclasses.replace(best, reason=reason)
+
+
+def _repair(
+    problem: Problem,
+    choice: list[int],
+    target: int,
+    options_of: Sequence[Sequence[Option]],
+    stitch: Callable[[Sequence[int]], frozenset[str]],
+    deadline: float,
+) -> tuple[Plan, list[int]] | None:
+    """The cheapest plan that fits among those moving one block of ``choice`` to another
+    option (None if none fits in time)."""
+    found: tuple[Plan, list[int]] | None = None
+    for k, options in enumerate(options_of):
+        for o in range(len(options)):
+            if o == choice[k]:
+                continue
+            if time.perf_counter() > deadline:
+                return found
+            trial = [*choice[:k], o, *choice[k + 1 :]]
+            plan = make_plan(problem, stitch(trial), solver="chain", reason="")
+            if plan.predicted_peak_bytes <= target and (
+                found is None or plan.recompute_time_s < found[0].recompute_time_s
+            ):
+                found = (plan, trial)
+    return found
+
+
+def _local_search(
+    problem: Problem,
+    plan: Plan,
+    choice: list[int],
+    target: int,
+    options_of: Sequence[Sequence[Option]],
+    stitch: Callable[[Sequence[int]], frozenset[str]],
+    deadline: float,
+) -> Plan:
+    """Move single blocks to cheaper options while the simulated plan still fits (the DP's
+    additive model is conservative at block boundaries; the simulator is exact)."""
+    choice = list(choice)
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for k, options in enumerate(options_of):
+            current = options[choice[k]].time_s
+            cheaper = sorted(
+                (o for o in range(len(options)) if options[o].time_s < current),
+                key=lambda o: options[o].time_s,
+            )
+            for o in cheaper:
+                if time.perf_counter() > deadline:
+                    return plan
+                trial = [*choice[:k], o, *choice[k + 1 :]]
+                candidate = make_plan(problem, stitch(trial), solver="chain", reason="")
+                if (
+                    candidate.predicted_peak_bytes <= target
+                    and candidate.recompute_time_s < plan.recompute_time_s
+                ):
+                    plan, choice, improved = candidate, trial, True
+                    break
+    return plan
 
 
 def _outside_saved(problem: Problem, structure: Structure) -> frozenset[str]:
@@ -191,23 +276,31 @@ def _menu(
     block = structure.blocks[cls[0]]
     sub = block_problem(problem, block)
     fwd = sub.forward_names
-    per = dataclasses.replace(
-        config, time_limit_s=max(1.0, config.time_limit_s / (4 * MENU_POINTS + 2))
-    )
+    per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
+    deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
     keep_all = make_plan(
         sub, sub.backward_reads | set(must_save(sub)), solver="keep_all", reason=""
     )
     plans = [keep_all, make_plan(sub, must_save(sub), solver="keep_inputs", reason="")]
     # Options trading what the block keeps for the later blocks' backward against time: with a
-    # ballast above the block's own backward peak, the budget bounds the bytes kept.
-    ballast = keep_all.predicted_peak_bytes
-    heavy = block_problem(problem, block, ballast)
-    lo = make_plan(heavy, must_save(heavy), solver="", reason="").predicted_peak_bytes
-    hi = make_plan(heavy, keep_all.saved, solver="", reason="").predicted_peak_bytes
+    # ballast above the block's own backward peak, the budget bounds the bytes kept. First
+    # across the whole range, then walking the Pareto front down from keep-all (each solve
+    # asking for less than the last plan kept) while time remains.
+    heavy = block_problem(problem, block, keep_all.predicted_peak_bytes)
+    top = make_plan(heavy, keep_all.saved, solver="", reason="").predicted_peak_bytes
+    bottom = make_plan(heavy, must_save(heavy), solver="", reason="").predicted_peak_bytes
+
+    def solve_heavy(budget: int) -> int | None:
+        try:
+            p = exact(heavy, budget_bytes=budget, config=per)
+        except (BudgetError, RuntimeError):
+            return None
+        plans.append(make_plan(sub, p.saved - {BALLAST}, solver="exact", reason=""))
+        return p.predicted_peak_bytes
+
     for k in range(1, 2 * MENU_POINTS):
-        with contextlib.suppress(BudgetError, RuntimeError):
-            p = exact(heavy, budget_bytes=lo + (hi - lo) * k // (2 * MENU_POINTS), config=per)
-            plans.append(make_plan(sub, p.saved - {BALLAST}, solver="exact", reason=""))
+        if time.perf_counter() < deadline:
+            solve_heavy(bottom + (top - bottom) * k // (2 * MENU_POINTS))
     # Options trading the block's own backward peak against time (the binding constraint of
     # the last blocks, whose backward runs with everything before them kept).
     with contextlib.suppress(RuntimeError):
@@ -215,10 +308,18 @@ def _menu(
     hi = keep_all.predicted_peak_bytes
     lo = min(p.predicted_peak_bytes for p in plans)
     for k in range(1, MENU_POINTS + 1):
+        if time.perf_counter() > deadline:
+            break
         with contextlib.suppress(BudgetError, RuntimeError):
             plans.append(
                 exact(sub, budget_bytes=lo + (hi - lo) * k // (MENU_POINTS + 1), config=per)
             )
+    budget: int | None = top - 1
+    for _ in range(MENU_SOLVES):
+        if budget is None or time.perf_counter() > deadline:
+            break
+        reached = solve_heavy(budget)
+        budget = None if reached is None else reached - 1
     seen: dict[frozenset[str], Option] = {}
     for p in plans:
         saved = frozenset(n for n in p.schedule.saved if n in fwd)

@@ -110,3 +110,20 @@ def test_chain_plans_fit_train_bitwise_and_beat_block_checkpointing(skip: bool) 
     assert_trains_like_eager(model, (x,), {}, steps=2, plan=tight)
     with pytest.raises(BudgetError):
         chain_solver(problem, budget_bytes=lo // 2, config=CONFIG)
+
+
+def test_hf_llama_chain_plans_train_bitwise() -> None:
+    """GQA, RMSNorm (whose backward ops lose their module path), SDPA, rotary embeddings."""
+    from tests.zoo import ZOO
+
+    case = next(c for c in ZOO if c.name == "hf_llama")
+    torch.manual_seed(0)
+    model = case.build()
+    problem = remat.analyze(model, case.inputs(), case.kwargs).problem
+    assert find_structure(problem).classes == ((0, 1),)
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    lo = least_peak(problem, "chain", CONFIG)
+    for budget in (lo, (lo + keep_all) // 2):
+        plan = chain_solver(problem, budget_bytes=budget, config=CONFIG)
+        assert plan.predicted_peak_bytes <= budget and plan.recomputed
+        assert_trains_like_eager(model, case.inputs(), case.kwargs, steps=2, plan=plan)
