@@ -5,7 +5,7 @@
 On models small enough for the flat MILP, plans both at budgets spread from the least peak
 either reaches to keep-all's, with the ``a100`` profile. The flat MILP is time-limited: where it
 does not prove optimality its plan is only an upper bound on the optimum (its dual bound is
-printed beside it). Writes experiments/results/chain_gap.csv.
+printed beside it). Writes experiments/results/chain_gap_<layers>layers.csv.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
         )
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "chain_gap.csv"
+    out = RESULTS / f"chain_gap_{args.layers}layers.csv"
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["model", *cols])
         w.writeheader()

@@ -34,7 +34,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--budgets", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--solvers", default="", help="comma-separated subset (default: all)")
     args = ap.parse_args()
+    names = [*HEURISTICS, "chain", "lp_round", "exact"]
+    if args.solvers:
+        names = [n for n in names if n in args.solvers.split(",")]
     console = Console(width=150)
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -62,7 +66,7 @@ def main() -> None:
     rows = []
     for budget in budgets:
         results = {}
-        for name in [*HEURISTICS, "lp_round", "exact"]:
+        for name in names:
             t1 = time.perf_counter()
             try:
                 plan = solve(problem, solver=name, budget_bytes=budget, config=config)
@@ -117,7 +121,8 @@ def main() -> None:
     console.print(table)
     _table2(console, rows)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"solvers_gpt2_{args.layers}x768_s{args.seq}_b{args.batch}.csv"
+    subset = "" if not args.solvers else "_" + args.solvers.replace(",", "-")
+    out = RESULTS / f"solvers_gpt2_{args.layers}x768_s{args.seq}_b{args.batch}{subset}.csv"
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -103,18 +103,18 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         return frozenset(saved)
 
     n_opts = max(len(m) for m in menus.values())
-    uniform_sims = []
-    for o in range(n_opts):
-        choice = [min(o, len(options_of[k]) - 1) for k in range(len(blocks))]
-        uniform_sims.append((choice, make_plan(problem, stitch(choice), solver="chain", reason="")))
-    costs = [_costs(problem, structure, p.schedule.saved, p.simulation) for _, p in uniform_sims]
+    # Option o on every block (a class with fewer options uses its last).
+    uniform = [
+        make_plan(problem, stitch([o] * len(blocks)), solver="chain", reason="")
+        for o in range(n_opts)
+    ]
+    costs = [_costs(problem, structure, p.schedule.saved, p.simulation) for p in uniform]
     if config.progress:
         config.progress(f"chain: {len(blocks)} blocks, {n_opts} options per block")
 
-    if budget_bytes is None:
-        target = min(p.predicted_peak_bytes for _, p in uniform_sims)
-    else:
-        target = budget_bytes
+    # No budget: the least peak the chain reaches.
+    least = min(p.predicted_peak_bytes for p in uniform)
+    target = least if budget_bytes is None else budget_bytes
     best: Plan | None = None
     best_choice: list[int] = []
     first_over: list[int] | None = None
@@ -153,13 +153,12 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
             problem, best, best_choice, target, options_of, stitch, t0 + config.time_limit_s
         )
     # The uniform plans are candidates too (the DP's model could have ruled one out wrongly).
-    for _, p in uniform_sims:
+    for p in uniform:
         if p.predicted_peak_bytes <= target and (
             best is None or p.recompute_time_s < best.recompute_time_s
         ):
             best = p
     if best is None:
-        least = min(p.predicted_peak_bytes for _, p in uniform_sims)
         raise BudgetError(target, least, "the least peak of the chain solver's uniform plans")
     sizes = ", ".join(f"{len(menus[c])}" for c in structure.classes)
     reason = (
