@@ -90,6 +90,8 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
             "none found: use a flat solver"
         )
     blocks = structure.blocks
+    if config.progress:
+        config.progress(f"chain: {len(blocks)} blocks; solving one block per class for a menu")
     menus = {c: _cached_menu(problem, structure, c, config) for c in structure.classes}
     fixed = _outside_saved(problem, structure)
     options_of = [menus[next(c for c in structure.classes if k in c)] for k in range(len(blocks))]
@@ -110,7 +112,7 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     ]
     costs = [_costs(problem, structure, p.schedule.saved, p.simulation) for p in uniform]
     if config.progress:
-        config.progress(f"chain: {len(blocks)} blocks, {n_opts} options per block")
+        config.progress(f"chain: DP over {len(blocks)} blocks x {n_opts} options")
 
     # No budget: the least peak the chain reaches.
     least = min(p.predicted_peak_bytes for p in uniform)
@@ -139,6 +141,8 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         if first_over is None:
             first_over = found
         dp_budget -= over
+    if config.progress:
+        config.progress("chain: local search on the simulated plan")
     if first_over is not None:
         # The DP's cheapest choice was over budget by a little: one block moved may fix it.
         repaired = _repair(

@@ -719,6 +719,17 @@ def _solve(
             # Within the solver's feasibility tolerance (1e-7 of a row's scale): not a
             # modelling gap. Solve again for a budget smaller by that much.
             margin += math.ceil(over) + 1
+            if time.perf_counter() > deadline:
+                if start is not None:
+                    return dataclasses.replace(
+                        start,
+                        reason=f"exact MILP ran out of time re-solving for the solver's "
+                        f"tolerance ({rounds} rounds); kept {start.solver}",
+                        lower_bound_s=_cost_bound(model),
+                    )
+                raise RuntimeError(
+                    f"exact MILP found no plan within the time limit ({rounds} rounds)"
+                )
             model = _Model(problem, budget_bytes - margin, comp.fold)
             fresh = True
             continue

@@ -74,7 +74,12 @@ def _heuristic_plans(
 LP_SHARE = 1 / 3
 """Share of the time limit the LP rounding may take before the exact MILP starts."""
 CHAIN_SHARE = 1 / 3
-"""Share of the time limit the chain solver's per-block menus may take."""
+"""Share of the time limit the chain solver may take."""
+CHAIN_MIN_VALUES = 300
+"""``auto`` runs the chain solver above this many compressed forward values: below, the flat
+MILP proves optimality in seconds to minutes (a 4-layer Llama, 255 values: ~20 s per budget);
+above, it rarely does (GPT-2 small, 821: not in 150 s), while the chain plans it in seconds
+(and beats every heuristic and the LP rounding there)."""
 
 
 def _starts(
@@ -82,16 +87,15 @@ def _starts(
 ) -> tuple[list[Plan], int | None, SolverConfig]:
     """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, the
     chain solver's (blocks and a DP, :mod:`remat.solver.chain`) when the model has repeated
-    blocks and is too large for the flat MILP, and the LP rounding's when the LP solves within
+    blocks and more than ``CHAIN_MIN_VALUES``, and the LP rounding's when the LP solves within
     its share of the time limit (on graphs of a few thousand values it does not). Also returns
     the least peak seen and the config with the time left for the MILP."""
     t0 = time.perf_counter()
     fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
-    flat = milp_size(problem) <= config.max_milp_values
-    # The chain solver where the flat MILP is skipped (to try it on smaller graphs too, and
-    # as the MILP's warm start, is next: its menus cost seconds per budget on small models).
+    size = milp_size(problem)
+    flat = size <= config.max_milp_values
     done = bool(fitting) and fitting[0].recompute_time_s == 0
-    if budget_bytes is not None and not flat and not done:
+    if budget_bytes is not None and size > CHAIN_MIN_VALUES and not done:
         chain_config = dataclasses.replace(config, time_limit_s=config.time_limit_s * CHAIN_SHARE)
         # No repeated blocks (ValueError), or no chain plan fits (BudgetError).
         with contextlib.suppress(BudgetError, ValueError):
