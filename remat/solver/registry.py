@@ -174,7 +174,9 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
     names = ", ".join(p.solver for p in fitting) or "none"
     if best is not None and best.recompute_time_s <= found.recompute_time_s:
         why = f"{best.reason}; the exact MILP found nothing cheaper ({found.reason})"
-        found = best
+        # A lower bound holds for every plan at this budget: keep the best one proven.
+        bounds = [b for b in (best.lower_bound_s, found.lower_bound_s) if b is not None]
+        found = dataclasses.replace(best, lower_bound_s=max(bounds) if bounds else None)
     else:
         why = found.reason
     return _with_reason(

@@ -145,3 +145,26 @@ def test_all_solvers_valid_on_random_dags(case: tuple[object, frozenset[str]]) -
         auto = solve(prob, solver="auto", budget_bytes=budget)  # type: ignore[arg-type]
         assert auto.predicted_peak_bytes <= budget
         assert auto.recompute_time_s <= plan.recompute_time_s
+
+
+def test_auto_keeps_the_exact_milps_bound_when_a_start_plan_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bound holds for every plan at the budget: when the exact MILP runs out of time and
+    hands back its start plan with a dual bound, auto's plan carries that bound."""
+    import remat.solver.registry as registry
+
+    prob = chain()
+    budget = solve(prob, solver="keep_inputs", budget_bytes=None).predicted_peak_bytes
+    heuristic = solve(prob, solver="auto", budget_bytes=budget)
+
+    def timed_out(problem: object, *, budget_bytes: int, config: object, start: object) -> object:
+        return replace(start, reason="exact MILP ran out of time", lower_bound_s=1e-12)  # type: ignore[type-var]
+
+    def no_lp(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no LP in time")
+
+    monkeypatch.setattr(registry, "exact", timed_out)
+    monkeypatch.setattr(registry, "lp_rounding", no_lp)
+    plan = solve(prob, solver="auto", budget_bytes=budget)
+    assert plan.lower_bound_s == 1e-12 and plan.recompute_time_s == heuristic.recompute_time_s
