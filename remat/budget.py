@@ -171,10 +171,10 @@ class DeviceBudgetError(BudgetError):
         super().__init__(
             device.step_budget_bytes,
             least,
-            f"device budget {_gb(device.budget_bytes)} leaves {_gb(device.step_budget_bytes)} for "
-            f"the step after static memory {_gb(device.static.total)} and reserve "
-            f"{_gb(device.reserve_bytes)}; {what} is {_gb(least)}, so the device needs at least "
-            f"{_gb(self.least_total_bytes)} ({self.least_total_bytes:,} B) — or less static "
+            f"device budget {format_bytes(device.budget_bytes)} leaves {format_bytes(device.step_budget_bytes)} for "
+            f"the step after static memory {format_bytes(device.static.total)} and reserve "
+            f"{format_bytes(device.reserve_bytes)}; {what} is {format_bytes(least)}, so the device needs at least "
+            f"{format_bytes(self.least_total_bytes)} ({self.least_total_bytes:,} B) — or less static "
             "memory (ZeRO stage, world size, optimizer)",
             achievable=error.achievable,
         )
@@ -203,11 +203,11 @@ class StaticMemoryError(ValueError):
         self.plan = plan
         s, o = plan.static, plan.options
         lines = [
-            f"device budget {_gb(plan.budget_bytes)} does not hold the static memory "
-            f"({_gb(s.total)}) and the reserve ({_gb(plan.reserve_bytes)}): "
-            f"parameters {_gb(s.parameters)}, optimizer state ({o.optimizer}) "
-            f"{_gb(s.optimizer_state)}"
-            + (f", gradient shards {_gb(s.gradient_shards)}" if s.gradient_shards else "")
+            f"device budget {format_bytes(plan.budget_bytes)} does not hold the static memory "
+            f"({format_bytes(s.total)}) and the reserve ({format_bytes(plan.reserve_bytes)}): "
+            f"parameters {format_bytes(s.parameters)}, optimizer state ({o.optimizer}) "
+            f"{format_bytes(s.optimizer_state)}"
+            + (f", gradient shards {format_bytes(s.gradient_shards)}" if s.gradient_shards else "")
             + f"; {s.trainable / 1e9:.2f}B trainable parameters, precision {o.precision}, "
             f"ZeRO stage {o.zero_stage} over {o.world_size} device(s)."
         ]
@@ -230,18 +230,18 @@ def _what_would_fit(plan: DeviceBudget) -> list[str]:
     if devices > o.world_size:
         hints.append(
             f"more than {devices - 1} devices under ZeRO-3 (parameters, gradients and "
-            f"optimizer state, {_gb(plan.static.unsharded)} in all, fill {devices - 1} such "
+            f"optimizer state, {format_bytes(plan.static.unsharded)} in all, fill {devices - 1} such "
             "budgets before any activation)"
         )
     if o.optimizer in ("adam", "adamw"):
         hints.append("an optimizer with less state (sgd: 4 B/param, none: 0)")
-    hints.append(f"a budget above {_gb(plan.static.total + plan.reserve_bytes)}")
+    hints.append(f"a budget above {format_bytes(plan.static.total + plan.reserve_bytes)}")
     return hints
 
 
-def _gb(n: float) -> str:
+def format_bytes(n: float) -> str:
     """Decimal units, as device memory is quoted (an 80 GB H100 holds 80e9 bytes)."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
+            return f"{n / scale:,.2f} {unit}"
     return f"{int(n)} B"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from remat.budget import format_bytes as _bytes
 from remat.problem import Problem, Role
 from remat.solver.fixed import fixed_saved_set
 from remat.solver.plan import Plan, make_plan
@@ -34,13 +35,6 @@ def module_group(path: str) -> str:
 
 def _op(name: str) -> str:
     return name.removeprefix("aten.").split(".")[0]
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def memory_table(plan: Plan, problem: Problem) -> Table:
