@@ -718,18 +718,12 @@ def _solve(
         if not added and budget_bytes is not None and over <= max(1024, 1e-6 * target):
             # Within the solver's feasibility tolerance (1e-7 of a row's scale): not a
             # modelling gap. Solve again for a budget smaller by that much.
-            margin += math.ceil(over) + 1
             if time.perf_counter() > deadline:
-                if start is not None:
-                    return dataclasses.replace(
-                        start,
-                        reason=f"exact MILP ran out of time re-solving for the solver's "
-                        f"tolerance ({rounds} rounds); kept {start.solver}",
-                        lower_bound_s=_cost_bound(model),
-                    )
-                raise RuntimeError(
-                    f"exact MILP found no plan within the time limit ({rounds} rounds)"
-                )
+                # A model solved for less than the budget bounds nothing at the budget.
+                bound = _cost_bound(model) if not margin else None
+                what = f"{rounds} round(s), re-solving for the solver's tolerance"
+                return _out_of_time(start, bound, what)
+            margin += math.ceil(over) + 1
             model = _Model(problem, budget_bytes - margin, comp.fold)
             fresh = True
             continue
@@ -740,17 +734,11 @@ def _solve(
                 "this is a bug, please report it with the model"
             )
         if time.perf_counter() > deadline:
-            # The model so far is a relaxation: its bound is still a valid lower bound.
-            if budget_bytes is not None and start is not None:
-                return dataclasses.replace(
-                    start,
-                    reason=f"exact MILP ran out of time after {rounds} round(s) of cuts; "
-                    f"kept {start.solver}",
-                    lower_bound_s=_cost_bound(model),
-                )
-            raise RuntimeError(
-                f"exact MILP found no plan within the time limit ({rounds} round(s) of cuts)"
-            )
+            # The model so far is a relaxation: its bound is still a valid lower bound (unless
+            # it was solved for less than the budget).
+            bound = _cost_bound(model) if not margin else None
+            what = f"{rounds} round(s) of cuts"
+            return _out_of_time(start if budget_bytes is not None else None, bound, what)
     optimal = model.lp.sol_status == pulp.LpSolutionOptimal
     # The objective is recompute nanoseconds with a budget, peak bytes without one.
     # A bound on objective = cost + tie-break is a bound on cost once the tie-break's largest
@@ -784,6 +772,17 @@ def _solve(
             f"the original {plan.predicted_peak_bytes:,} B; this is a bug, please report it"
         )
     return plan
+
+
+def _out_of_time(start: Plan | None, bound: float | None, what: str) -> Plan:
+    """The start plan with what the MILP proved, or an error when there is none."""
+    if start is None:
+        raise RuntimeError(f"exact MILP found no plan within the time limit ({what})")
+    return dataclasses.replace(
+        start,
+        reason=f"exact MILP ran out of time after {what}; kept {start.solver}",
+        lower_bound_s=bound,
+    )
 
 
 def _budget_error(
