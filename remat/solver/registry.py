@@ -83,16 +83,16 @@ above, it rarely does (GPT-2 small, 821: not in 150 s), while the chain plans it
 
 
 def _starts(
-    problem: Problem, budget_bytes: int | None, config: SolverConfig
+    problem: Problem, budget_bytes: int | None, config: SolverConfig, size: int
 ) -> tuple[list[Plan], int | None, SolverConfig]:
     """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, the
     chain solver's (blocks and a DP, :mod:`remat.solver.chain`) when the model has repeated
     blocks and more than ``CHAIN_MIN_VALUES``, and the LP rounding's when the LP solves within
-    its share of the time limit (on graphs of a few thousand values it does not). Also returns
-    the least peak seen and the config with the time left for the MILP."""
+    its share of the time limit (on graphs of a few thousand values it does not). ``size`` is
+    :func:`milp_size`. Also returns the least peak seen and the config with the time left for
+    the MILP."""
     t0 = time.perf_counter()
     fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
-    size = milp_size(problem)
     flat = size <= config.max_milp_values
     done = bool(fitting) and fitting[0].recompute_time_s == 0
     if budget_bytes is not None and size > CHAIN_MIN_VALUES and not done:
@@ -112,7 +112,7 @@ def _starts(
 
 def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The exact MILP, warm-started from the cheapest heuristic or LP-rounded plan that fits."""
-    fitting, _, left = _starts(problem, budget_bytes, config)
+    fitting, _, left = _starts(problem, budget_bytes, config, milp_size(problem))
     return exact(
         problem, budget_bytes=budget_bytes, config=left, start=fitting[0] if fitting else None
     )
@@ -141,9 +141,9 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
     if budget_bytes is None:
         plan = keep_all(problem, budget_bytes=None, config=config)
         return _with_reason(plan, "auto", "no budget given: keep everything (no recomputation)")
-    fitting, least_peak, left = _starts(problem, budget_bytes, config)
+    size = milp_size(problem)  # compresses the problem: once per call
+    fitting, least_peak, left = _starts(problem, budget_bytes, config, size)
     best = fitting[0] if fitting else None
-    size = milp_size(problem)
     if size > config.max_milp_values:
         if best is None:
             raise BudgetError(
@@ -154,7 +154,7 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
         return _with_reason(
             best,
             f"auto:{best.solver}",
-            f"least recompute time among the heuristics that fit "
+            f"least recompute time among the plans that fit "
             f"({', '.join(p.solver for p in fitting)}); the flat MILP was skipped: {size} "
             f"forward values after compression > max_milp_values={config.max_milp_values}",
         )
