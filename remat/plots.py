@@ -43,15 +43,12 @@ def pareto_plot(points: Mapping[str, Sequence[tuple[int, float]]], path: str | P
             alpha=0.6 if exact else 1.0,
             zorder=1 if exact else 2,
         )
-    ax.set_xlabel("predicted step peak (MiB)")
-    ax.set_ylabel("recompute time (% of the step)")
-    ax.set_title("memory vs recompute, per solver")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _finish(
+        plt, fig, ax, path,
+        xlabel="predicted step peak (MiB)",
+        ylabel="recompute time (% of the step)",
+        title="memory vs recompute, per solver",
+    )  # fmt: skip
 
 
 def timeline_plot(plans: Mapping[str, Plan], path: str | Path) -> Path:
@@ -65,9 +62,21 @@ def timeline_plot(plans: Mapping[str, Plan], path: str | Path) -> Path:
         rec = [i for i, s in enumerate(steps) if s.recompute]
         if rec:
             ax.scatter(rec, [ys[i] for i in rec], s=4, color=line.get_color(), alpha=0.6)
-    ax.set_xlabel("step of the executor (forward, then backward with recomputations dotted)")
-    ax.set_ylabel("allocated (MiB)")
-    ax.set_title("memory timeline")
+    return _finish(
+        plt, fig, ax, path,
+        xlabel="step of the executor (forward, then backward with recomputations dotted)",
+        ylabel="allocated (MiB)",
+        title="memory timeline",
+    )  # fmt: skip
+
+
+def _finish(
+    plt: Any, fig: Any, ax: Any, path: str | Path, *, xlabel: str, ylabel: str, title: str
+) -> Path:
+    """Labels, grid and legend, then write the PNG and free the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
