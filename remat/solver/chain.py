@@ -22,7 +22,12 @@ and the heuristics leave time on the table. But it is a chain of identical block
 5. **The simulator has the last word.** The stitched plan is simulated; if its peak is over the
    budget (the additive model is an approximation at block boundaries), the DP is solved again
    for a budget smaller by the excess. From the first plan that fits, a local search moves
-   single blocks to cheaper options while the simulated plan still fits, until the time limit.
+   single blocks to cheaper options while the simulated plan still fits.
+6. **Refinement in context** (when the whole problem is small enough for the flat MILP's model,
+   ``SolverConfig.max_milp_values``): windows of the chain (the first block with everything
+   outside the blocks, the last likewise, then adjacent pairs) are re-solved by the exact MILP
+   with the rest of the plan fixed, until the time limit. This closes what the decomposition
+   misses where blocks meet each other and the embeddings and head.
 
 Values outside the blocks (embeddings, head, loss) keep what their backward reads; every block's
 inputs are saved when its recomputation needs them, so recomputation never crosses a block
@@ -40,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from remat.problem import Problem, Role
+from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
 from remat.solver.milp import exact, min_peak
@@ -164,12 +170,68 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
             best = p
     if best is None:
         raise BudgetError(target, least, "the least peak of the chain solver's uniform plans")
+    stitched = best.recompute_time_s
+    best, windows = _refine(problem, structure, best, target, config, t0 + config.time_limit_s)
     sizes = ", ".join(f"{len(menus[c])}" for c in structure.classes)
     reason = (
         f"chain DP over {len(blocks)} blocks in {len(structure.classes)} class(es) "
-        f"({sizes} options from the per-block exact MILP), {time.perf_counter() - t0:.1f} s"
+        f"({sizes} options from the per-block exact MILP)"
+        + (
+            f", refined in {windows} window(s) by the exact MILP "
+            f"({stitched * 1e3:.4g} -> {best.recompute_time_s * 1e3:.4g} ms)"
+            if windows
+            else ""
+        )
+        + f", {time.perf_counter() - t0:.1f} s"
     )
-    return dataclasses.replace(best, reason=reason)
+    return dataclasses.replace(best, solver="chain", reason=reason, lower_bound_s=None)
+
+
+def _refine(
+    problem: Problem,
+    structure: Structure,
+    plan: Plan,
+    target: int,
+    config: SolverConfig,
+    deadline: float,
+) -> tuple[Plan, int]:
+    """Large-neighbourhood search with the exact MILP in context (when the whole problem is
+    small enough to model): the values of a window of blocks, with those outside every block,
+    are re-solved exactly while the rest of the plan stays as it is.
+
+    Why: the menus are Pareto-optimal for a block cut out alone, and the DP's model is additive;
+    the optimum of the whole chain differs from the stitched plan by a few values per block,
+    mostly where blocks meet what is outside them (on a 4-layer Llama at 6.4 MB the first
+    window, the first block with everything outside, closed a 6.7% gap to the proven optimum).
+    Windows: first block, last block, then adjacent pairs; each solve is warm-started from the
+    current plan, so the plan never gets worse. Returns the plan and the windows solved.
+    """
+    if (
+        plan.recompute_time_s == 0
+        or len(compress(problem).problem.forward_names) > config.max_milp_values
+    ):
+        return plan, 0
+    blocks = [set(b.forward) for b in structure.blocks]
+    outside = set(problem.forward_names).difference(*blocks)
+    windows = [outside | blocks[0], outside | blocks[-1]]
+    windows += [blocks[k] | blocks[k + 1] for k in range(len(blocks) - 1)]
+    solved = 0
+    for free in windows:
+        left = deadline - time.perf_counter()
+        if left < 1.0:
+            break
+        if config.progress:
+            config.progress(f"chain: exact MILP on window {solved + 1} of {len(windows)}")
+        window_config = dataclasses.replace(config, time_limit_s=left)
+        with contextlib.suppress(RuntimeError, BudgetError):
+            found = exact(problem, budget_bytes=target, config=window_config, start=plan, free=free)
+            if (
+                found.predicted_peak_bytes <= target
+                and found.recompute_time_s < plan.recompute_time_s
+            ):
+                plan = found
+        solved += 1
+    return plan, solved
 
 
 def _repair(

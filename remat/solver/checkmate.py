@@ -177,8 +177,12 @@ def checkmate_bound(
         if (t, i) in R and not isinstance(R[t, i], int)
     )
     lp += cost
-    binaries = sum(1 for v in lp.variables() if v.cat == pulp.LpBinary)
+    # pulp stores binaries as integers in [0, 1].
+    binaries = sum(1 for v in lp.variables() if v.cat == pulp.LpInteger)
     lp.solve(_backend(config, config.time_limit_s, {}))
+    if lp.status == pulp.LpStatusInfeasible:
+        # Confirmed without presolve, which once called a feasible model infeasible.
+        lp.solve(_backend(config, config.time_limit_s, {}, presolve=False))
     elapsed = time.perf_counter() - t0
     if lp.status == pulp.LpStatusInfeasible:
         return CheckmateBound(float("inf"), None, True, elapsed, binaries)

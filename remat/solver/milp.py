@@ -41,7 +41,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import pulp
@@ -71,6 +71,9 @@ def objective_scale(times: list[float]) -> float:
     return NS if top * NS <= MAX_COEF else MAX_COEF / top
 
 
+SAVED, UNUSED = "<saved>", "<unused>"
+"""Fixed choices of a neighbourhood solve besides "recomputed for backward op X"."""
+
 GAP_REL, GAP_ABS = 1e-7, 1e-2
 """Optimality tolerances: "optimal" means within 1e-7 relative or 0.01 ns absolute."""
 
@@ -92,24 +95,55 @@ def _silence_highs_banner() -> None:
 class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
     """HiGHS through highspy, started from a known plan (pulp's class has no warm start)."""
 
-    def __init__(self, start: Mapping[pulp.LpVariable, float], **kwargs: object) -> None:
+    def __init__(
+        self,
+        start: Mapping[pulp.LpVariable, float],
+        options: Mapping[str, object],
+        **kwargs: object,
+    ) -> None:
         super().__init__(**kwargs)
         self.start = start
+        self.options = options
 
     def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
         if self.start:
             index = np.array([v.index for v in self.start], dtype=np.int32)
             value = np.array(list(self.start.values()), dtype=np.float64)
             lp.solverModel.setSolution(len(index), index, value)
+        for key, value in self.options.items():
+            lp.solverModel.setOptionValue(key, value)
         lp.solverModel.run()
 
 
+PROBING = 1 << 15
+"""HiGHS's ``presolve_rule_off`` bit for probing."""
+
+
 def _backend(
-    config: SolverConfig, time_limit: float, start: Mapping[pulp.LpVariable, float]
+    config: SolverConfig,
+    time_limit: float,
+    start: Mapping[pulp.LpVariable, float],
+    probing: bool = True,
+    presolve: bool = True,
 ) -> pulp.LpSolver:
+    """The MILP solver.
+
+    ``probing``: HiGHS's presolve probing (off for remat's MILP: on a 4-layer Llama it took 7
+    of 9 s and often ran out of time before branching began; without it the MILP proved the
+    same optima about twice as fast, experiments/chain_gap.py. On Checkmate's MILP turning it
+    off made some small random graphs time out instead.) ``presolve``: off to confirm an
+    "infeasible" verdict (HiGHS's presolve declared a feasible 17-node Checkmate model
+    infeasible, its postsolved solutions violating a constraint; tests/solver/test_exact.py).
+    CBC ignores both.
+    """
     if config.backend in ("auto", "highs") and highspy is not None:
         _silence_highs_banner()
-        return _WarmHiGHS(start, msg=False, timeLimit=time_limit, gapRel=GAP_REL, gapAbs=GAP_ABS)
+        options: dict[str, object] = {} if presolve else {"presolve": "off"}
+        if not probing:
+            options["presolve_rule_off"] = PROBING
+        return _WarmHiGHS(
+            start, options, msg=False, timeLimit=time_limit, gapRel=GAP_REL, gapAbs=GAP_ABS
+        )
     if config.backend == "highs":
         raise ValueError("MILP backend 'highs' requested but highspy is not installed")
     for var, value in start.items():
@@ -142,10 +176,17 @@ class _Model:
     """The relaxation (without intra-stage moments) plus whatever cuts are added to it."""
 
     def __init__(
-        self, problem: Problem, budget: int | None, fold: Mapping[str, str] | None = None
+        self,
+        problem: Problem,
+        budget: int | None,
+        fold: Mapping[str, str] | None = None,
+        fix: Mapping[str, str] | None = None,
     ) -> None:
         self.problem = problem
         self.fold = dict(fold or {})
+        self.fix = dict(fix or {})
+        """Forward values fixed as in a start plan (a neighbourhood solve) -> the stage (backward
+        op) they are recomputed for, ``SAVED`` or ``UNUSED``."""
         values = problem.by_name
         self.fwd = [v.name for v in problem.values if v.role is Role.FORWARD]
         self.pos = {n: i for i, n in enumerate(self.fwd)}
@@ -319,7 +360,12 @@ class _Model:
         # A folded value is never saved and shares its consumer's recompute variables
         # (remat.solver.compress).
         self.s = {
-            n: self._var(f"s_{i}", upBound=0 if n in self.fold else 1, cat="Binary")
+            n: self._var(
+                f"s_{i}",
+                lowBound=int(self.fix.get(n) == SAVED),
+                upBound=0 if n in self.fold or self.fix.get(n, SAVED) != SAVED else 1,
+                cat="Binary",
+            )
             for i, n in enumerate(self.fwd)
         }
         self.R: dict[tuple[str, int], pulp.LpVariable] = {}
@@ -330,6 +376,9 @@ class _Model:
             for t in self.window[n]:
                 if n in self.fold:
                     self.R[n, t] = self.R[self.fold[n], t]
+                elif n in self.fix:
+                    on = int(self.fix[n] == self.stages[t])
+                    self.R[n, t] = self._var(f"r_{i}_{t}", on, on, cat="Binary")
                 else:
                     self.R[n, t] = self._var(f"r_{i}_{t}", cat="Binary")
         self.R_of: dict[str, list[tuple[int, pulp.LpVariable]]] = {n: [] for n in self.fwd}
@@ -631,11 +680,18 @@ def exact(
     budget_bytes: int | None,
     config: SolverConfig,
     start: Plan | None = None,
+    free: Collection[str] | None = None,
 ) -> Plan:
     """Least recompute time under ``budget_bytes`` (no budget: keep everything).
 
     ``start``: a plan to warm-start from (e.g. the best heuristic's); the result is never
     worse than it when it fits the budget.
+
+    ``free``: a large-neighbourhood step. Only these forward values may change from ``start``'s
+    choice of saved or not; the others keep it, and the stage at which ``start``'s schedule
+    recomputes them. The result is the least recompute time within that neighbourhood and
+    records no lower bound, since it proves nothing about plans outside it. Needs a ``start``
+    that fits.
     """
     keep_all = make_plan(problem, fixed_saved_set(problem, "keep_all"), solver="exact", reason="")
     if budget_bytes is None or keep_all.predicted_peak_bytes <= budget_bytes:
@@ -646,7 +702,9 @@ def exact(
         )
     if start is not None and start.predicted_peak_bytes > budget_bytes:
         start = None
-    return _solve(problem, budget_bytes, config, start)
+    if free is not None and start is None:
+        raise ValueError("a neighbourhood solve (free=...) needs a start plan that fits")
+    return _solve(problem, budget_bytes, config, start, free)
 
 
 def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) -> Plan:
@@ -655,7 +713,11 @@ def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) 
 
 
 def _solve(
-    problem: Problem, budget_bytes: int | None, config: SolverConfig, start: Plan | None
+    problem: Problem,
+    budget_bytes: int | None,
+    config: SolverConfig,
+    start: Plan | None,
+    free: Collection[str] | None = None,
 ) -> Plan:
     t0 = time.perf_counter()
     deadline = t0 + config.time_limit_s
@@ -666,7 +728,17 @@ def _solve(
     small_start = None
     if start is not None:
         small_start = make_plan(problem, comp.lower(start.saved), solver=start.solver, reason="")
-    model = _Model(problem, budget_bytes, comp.fold)
+    fix: dict[str, str] = {}
+    if free is not None and start is not None:
+        movable = {comp.leader(comp.rep.get(n, n)) for n in free}
+        kept = comp.lower(start.saved)
+        stage = _stage_ops(make_plan(problem, kept, solver=start.solver, reason=""))
+        fix = {
+            n: SAVED if n in kept else stage.get(n, UNUSED)
+            for n in problem.forward_names
+            if n not in movable
+        }
+    model = _Model(problem, budget_bytes, comp.fold, fix)
     floor = max([*model.bw_base, *model.fw_base, model.tail_max])
     what = "least recompute time" if budget_bytes is not None else "least peak"
     if budget_bytes is not None and budget_bytes < floor:
@@ -691,7 +763,11 @@ def _solve(
             config.progress(f"exact MILP round {rounds}: {model.binaries} binaries")
         warm = _start(model, small_start) if small_start is not None and fresh else {}
         fresh = False
-        model.lp.solve(_backend(config, max(1.0, deadline - time.perf_counter()), warm))
+        left = max(1.0, deadline - time.perf_counter())
+        model.lp.solve(_backend(config, left, warm, probing=False))
+        if model.lp.status == pulp.LpStatusInfeasible:  # confirmed without presolve
+            left = max(1.0, deadline - time.perf_counter())
+            model.lp.solve(_backend(config, left, warm, probing=False, presolve=False))
         status = pulp.LpStatus[model.lp.status]
         if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             if budget_bytes is None:
@@ -700,7 +776,7 @@ def _solve(
                 return dataclasses.replace(
                     start,
                     reason=f"exact MILP found nothing better in time; kept {start.solver}",
-                    lower_bound_s=_cost_bound(model),
+                    lower_bound_s=_cost_bound(model) if not fix else start.lower_bound_s,
                 )
             raise _budget_error(original, budget_bytes, config, floor, None)
         saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
@@ -720,11 +796,11 @@ def _solve(
             # modelling gap. Solve again for a budget smaller by that much.
             if time.perf_counter() > deadline:
                 # A model solved for less than the budget bounds nothing at the budget.
-                bound = _cost_bound(model) if not margin else None
+                bound = _cost_bound(model) if not (margin or fix) else None
                 what = f"{rounds} round(s), re-solving for the solver's tolerance"
                 return _out_of_time(start, bound, what)
             margin += math.ceil(over) + 1
-            model = _Model(problem, budget_bytes - margin, comp.fold)
+            model = _Model(problem, budget_bytes - margin, comp.fold, fix)
             fresh = True
             continue
         if not added:
@@ -736,7 +812,7 @@ def _solve(
         if time.perf_counter() > deadline:
             # The model so far is a relaxation: its bound is still a valid lower bound (unless
             # it was solved for less than the budget).
-            bound = _cost_bound(model) if not margin else None
+            bound = _cost_bound(model) if not (margin or fix) else None
             what = f"{rounds} round(s) of cuts"
             return _out_of_time(start if budget_bytes is not None else None, bound, what)
     optimal = model.lp.sol_status == pulp.LpSolutionOptimal
@@ -758,6 +834,10 @@ def _solve(
         if bound is not None
         else "time limit hit"
     )
+    if fix:  # optimal within the neighbourhood only
+        proof = "optimal in the neighbourhood" if optimal else "time limit hit"
+        what += f", {len(model.fwd) - len(fix)} of {len(model.fwd)} values free"
+        bound = None
     reason = (
         f"exact MILP ({what}), {proof}, {rounds} round(s), {time.perf_counter() - t0:.1f} s, "
         f"{model.binaries} binaries over {model.T} stages "
