@@ -110,8 +110,8 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
             index = np.array([v.index for v in self.start], dtype=np.int32)
             value = np.array(list(self.start.values()), dtype=np.float64)
             lp.solverModel.setSolution(len(index), index, value)
-        for key, value in self.options.items():
-            lp.solverModel.setOptionValue(key, value)
+        for key, option in self.options.items():
+            lp.solverModel.setOptionValue(key, option)
         lp.solverModel.run()
 
 
