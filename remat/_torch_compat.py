@@ -37,7 +37,10 @@ __all__ = [
     "PlainAOTInput",
     "PlainAOTOutput",
     "TangentAOTInput",
+    "activation_memory_budget",
     "allocator_events",
+    "dynamo_reset",
+    "min_cut_backend",
     "boxed_codegen",
     "export_joint",
     "flop_registry",
@@ -93,3 +96,42 @@ def fake_mode() -> Iterator[FakeTensorMode]:
 
 wrap_with_autocast = torch.ops.higher_order.wrap_with_autocast
 """The higher-order op ``torch.export`` records an autocast region as."""
+
+
+# PyTorch's own memory-budget partitioner, the peer remat's experiments measure against.
+
+
+def dynamo_reset() -> None:
+    """Forget every compiled graph (the partitioner's budget is not part of Dynamo's guards)."""
+    torch._dynamo.reset()
+
+
+def activation_memory_budget(fraction: float) -> contextlib.AbstractContextManager[None]:
+    """``torch._functorch.config.activation_memory_budget`` set within the context."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=fraction)  # type: ignore[no-any-return]
+
+
+def min_cut_backend(on_forward: Any, on_backward: Any) -> Any:
+    """``aot_eager`` as torch 2.13 builds it (AOTAutograd, the min-cut rematerialization
+    partitioner, aten ops run eagerly), calling ``on_forward(gm)`` / ``on_backward(gm)`` with
+    each partitioned graph first."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def fw(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        on_forward(gm)
+        return boxed_nop(gm, example_inputs)
+
+    def bw(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        on_backward(gm)
+        return boxed_nop(gm, example_inputs)
+
+    return aot_autograd(
+        fw_compiler=fw,
+        bw_compiler=bw,
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )

@@ -30,6 +30,14 @@ class LiveMemoryMeter(TorchDispatchMode):
         self.peak_bytes = 0
         self._tracked: dict[int, int] = {}
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile``d code run under the meter. Otherwise Dynamo silently runs every
+        frame eagerly while a dispatch mode is active, and keeps doing so for that code after
+        the meter exits (until ``torch._dynamo.reset()``): a compiled peer would be measured as
+        eager. The compiled graphs' aten ops still dispatch through the meter."""
+        return True
+
     def _free(self, key: int, nbytes: int) -> None:
         if self._tracked.get(key) == nbytes:
             del self._tracked[key]

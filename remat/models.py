@@ -1,7 +1,9 @@
-"""Small built-in models: the demo's default and the test zoo's hand-written members.
+"""Small built-in models: the demo's default, the test zoo's and the experiments' members.
 
 ``TinyGPT`` is a GPT-style decoder written out op by op (explicit attention with dropout, as in
-the Megatron paper's accounting) with tied input/output embeddings.
+the Megatron paper's accounting) with tied input/output embeddings. ``ResNet`` (residual blocks
+with BatchNorm) and ``UNet`` (an encoder-decoder whose skip connections keep early activations
+alive until late) are the CNN shapes of the experiments.
 """
 
 from __future__ import annotations
@@ -64,3 +66,66 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class ResBlock(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(ch, ch, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(ch)
+        self.conv2 = nn.Conv2d(ch, ch, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class ResNet(nn.Module):
+    """A ResNet-style CNN: a stem, ``blocks`` identical residual blocks, a classifier."""
+
+    def __init__(self, channels: int = 16, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
+        self.blocks = nn.ModuleList(ResBlock(channels) for _ in range(blocks))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def _conv_bn(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()
+    )
+
+
+class UNet(nn.Module):
+    """A U-Net-style CNN: ``depth`` levels down (conv, pool), up (upsample, concatenate the
+    level's skip connection, conv). Input sides must be divisible by 2**depth."""
+
+    def __init__(self, channels: int = 8, depth: int = 3, out_channels: int = 2) -> None:
+        super().__init__()
+        widths = [channels * 2**i for i in range(depth + 1)]
+        self.inp = _conv_bn(3, widths[0])
+        self.down = nn.ModuleList(_conv_bn(widths[i], widths[i + 1]) for i in range(depth))
+        self.up = nn.ModuleList(
+            _conv_bn(widths[i + 1] + widths[i], widths[i]) for i in reversed(range(depth))
+        )
+        self.out = nn.Conv2d(widths[0], out_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        skips = []
+        for down in self.down:
+            skips.append(x)
+            x = down(F.max_pool2d(x, 2))
+        for up in self.up:
+            x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+            x = up(torch.cat([x, skips.pop()], dim=1))
+        return self.out(x)

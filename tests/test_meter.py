@@ -40,3 +40,27 @@ def test_allocator_meter_sees_at_least_the_tensors() -> None:
         (x * 2).sum()
 
     assert allocator_peak_bytes(step) >= 2 * 4 * (1 << 16)
+
+
+def test_compiled_code_runs_compiled_under_the_meter() -> None:
+    """Dynamo runs frames eagerly while a dispatch mode is active unless the mode says it
+    ignores compile internals: without that, a torch.compile peer would be measured as eager."""
+    calls = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        def run(*args: torch.Tensor):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x * 2).sin(), backend=backend)
+    x = torch.randn(64)
+    fn(x)  # compiled outside the meter
+    calls.clear()
+    with LiveMemoryMeter() as meter:
+        fn(x)
+    torch._dynamo.reset()
+    assert calls == [1]
+    assert meter.peak_bytes >= 64 * 4

@@ -1,0 +1,60 @@
+"""The experiment harness's quick mode: every peer and every remat row runs; remat's rows train
+bitwise like eager with measured == predicted peak."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENTS = Path(__file__).parents[2] / "experiments"
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    sys.path.insert(0, str(EXPERIMENTS))
+    import compare
+
+    out = tmp_path_factory.mktemp("compare") / "quick.csv"
+    compare.main(["--quick", "--out", str(out)])
+    for model in compare.QUICK:
+        assert out.with_name(f"quick_{model}.png").stat().st_size > 5_000
+    with out.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_model_has_every_peer_and_remat_rows(rows: list[dict[str, str]]) -> None:
+    by_model: dict[str, set[str]] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], set()).add(f"{r['kind']}:{r['method']}")
+    assert set(by_model) == {"gpt", "gpt2", "llama", "bert", "resnet", "unet"}
+    for model, kinds in by_model.items():
+        expected = {"peer:eager", "peer:torch_budget", "peer:torch_checkpoint", "matched:remat",
+                    "sweep:remat"}  # fmt: skip
+        if model in ("gpt2", "llama", "bert"):
+            expected.add("peer:hf_checkpointing")
+        assert kinds == expected, model
+
+
+def test_remat_rows_are_bitwise_and_predicted_equals_measured(rows: list[dict[str, str]]) -> None:
+    remat_rows = [r for r in rows if r["method"] == "remat" and r["peak_bytes"]]
+    assert len(remat_rows) >= 6 * 5
+    for r in remat_rows:
+        assert r["equal"] == "True", r
+        assert r["peak_bytes"] == r["predicted_peak_bytes"], r
+        assert int(r["peak_bytes"]) <= int(r["budget_bytes"]), r
+
+
+def test_eager_checkpointing_is_bitwise_and_saves_memory(rows: list[dict[str, str]]) -> None:
+    """The peers are measured, not assumed: eager checkpointing (RNG state preserved) gives
+    eager's gradients and a lower peak."""
+    eager = {r["model"]: int(r["peak_bytes"]) for r in rows if r["method"] == "eager"}
+    for r in rows:
+        if (
+            r["method"] in ("torch_checkpoint", "hf_checkpointing")
+            and r["setting"] == "every block"
+        ):
+            assert r["equal"] == "True", r
+            assert int(r["peak_bytes"]) < eager[r["model"]], r
