@@ -319,17 +319,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     warnings.filterwarnings("ignore")
     console = Console(width=150)
     rows: list[dict[str, Any]] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
         t0 = time.perf_counter()
-        rows += run_model(specs[name], n_budgets, reps, a.time_limit, solver, a.quick, console)
+        new = run_model(specs[name], n_budgets, reps, a.time_limit, solver, a.quick, console)
         console.print(f"{name}: {time.perf_counter() - t0:.1f} s")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
-    for name in names:
-        plot([r for r in rows if r["model"] == name], out.with_name(f"{out.stem}_{name}.png"))
+        plot(new, out.with_name(f"{out.stem}_{name}.png"))
+        rows += new
+        with out.open("w", newline="") as f:  # after every model: a long run keeps its rows
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
     console.print(f"wrote {out}")
     return rows
 
