@@ -61,7 +61,8 @@ def main() -> None:
             row[f"{name}_us"] = plan.recompute_time_s * 1e6
             row[f"{name}_s"] = time.perf_counter() - t0
             if name == "exact":
-                row["exact_bound_us"] = (plan.lower_bound_s or 0.0) * 1e6
+                bound = plan.lower_bound_s
+                row["exact_bound_us"] = None if bound is None else bound * 1e6
                 row["exact_proven"] = "optimal" in plan.reason
         c, e = row.get("chain_us"), row.get("exact_us")
         row["gap_pct"] = (

@@ -40,10 +40,21 @@ def _op_name(node: torch.fx.Node) -> str:
 
 
 def _is_random(node: torch.fx.Node) -> bool:
+    """Draws random numbers. Attention kernels are tagged as seeded whatever their
+    ``dropout_p``; at ``dropout_p = 0`` they draw nothing and may be recomputed like any op
+    (without this, fused attention could never be recomputed)."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in target.tags
-    return False
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for k, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.kwargs.get(
+                "dropout_p", node.args[k] if k < len(node.args) else arg.default_value
+            )
+            return p != 0
+    return True
 
 
 def _module_stack(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:

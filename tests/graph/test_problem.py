@@ -117,3 +117,33 @@ def test_view_ops_never_allocate_even_after_graph_rewrites() -> None:
     for v in problem.values:
         if v.op in views:
             assert v.allocates == (), f"{v.name} ({v.op}) allocates"
+
+
+class _Attention(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True).sum(1)
+
+
+def test_attention_without_dropout_is_not_random_and_recomputes_bitwise() -> None:
+    """CPU flash attention is tagged as seeded whatever its dropout_p; at 0 it draws nothing, so
+    it may be recomputed (keep_inputs recomputes it) and the step stays bitwise."""
+    from remat.verify import verify
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    problem = remat.analyze(_Attention(0.0), (x,)).problem
+    attn = [v for v in problem.values if "flash_attention_for_cpu.default" in v.op]
+    assert attn and not any(v.random for v in attn)
+    check = verify(_Attention(0.0), (x,), plan="keep_inputs", steps=2)
+    assert set(check.module.plan.recomputed) & {v.name for v in attn}
+    assert all(not s.mismatches and s.predicted_peak_bytes == s.measured_peak_bytes
+               for s in check.steps)  # fmt: skip
+    # With dropout the CPU kernel takes the math path: its dropout op is random.
+    dropped = remat.analyze(_Attention(0.5), (x,)).problem
+    assert any(v.random for v in dropped.values if "dropout" in v.op or "bernoulli" in v.op)

@@ -1,0 +1,256 @@
+"""Regenerate the paper's tables from the CSVs the experiments wrote.
+
+    python paper/build.py            # rewrite paper/paper.md's tables in place
+    python paper/build.py --check    # exit 1 if any table differs from its CSV
+
+Every table in ``paper.md`` sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``
+and is produced by ``TABLES[NAME]`` from ``experiments/results``; nothing between the markers is
+typed by hand (tests/test_paper.py checks they are in sync). ``./run paper`` reruns the
+experiments and then this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+RESULTS = ROOT / "experiments" / "results"
+PAPER = Path(__file__).parent / "paper.md"
+MIB = 2**20
+
+
+def _read(name: str) -> list[dict[str, str]]:
+    with (RESULTS / name).open() as f:
+        return list(csv.DictReader(f))
+
+
+def _num(x: str | None) -> float | None:
+    return None if x in (None, "", "None") else float(x)
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def compare_table() -> str:
+    """Each peer at its measured peak beside remat planned for exactly that peak."""
+    rows = _read("compare.csv")
+    out = []
+    for i, r in enumerate(rows):
+        if r["kind"] != "peer" or r["method"] == "eager":
+            continue
+        m = next(
+            (x for x in rows[i + 1 :] if x["kind"] == "matched" and x["model"] == r["model"]), None
+        )
+        if m is None:
+            continue
+        out.append(
+            [
+                r["model"],
+                f"{r['method']} {r['setting']}",
+                _fmt(_num(r["peak_bytes"]) / MIB),  # type: ignore[operator]
+                _fmt((_num(r["recompute_flops"]) or 0) / 1e9, 3),
+                _fmt(_num(r["time_ratio"])),
+                "yes" if r["equal"] == "True" else f"**no** ({r['differing']})",
+                _fmt((_num(m["peak_bytes"]) or 0) / MIB) if m["peak_bytes"] else "-",
+                _fmt((_num(m["recompute_flops"]) or 0) / 1e9, 3) if m["peak_bytes"] else "-",
+                _fmt(_num(m["time_ratio"])),
+                ("yes" if m["equal"] == "True" else "**no**") if m["peak_bytes"] else "-",
+            ]
+        )
+    header = ["model", "peer", "peer peak MiB", "peer recompute GFLOP", "peer time x",
+              "peer bitwise", "remat peak MiB", "remat recompute GFLOP", "remat time x",
+              "remat bitwise"]  # fmt: skip
+    return _table(header, out)
+
+
+def predicted_table() -> str:
+    """Every remat row of the comparison: predicted against measured peak."""
+    rows = [r for r in _read("compare.csv") if r["method"] == "remat" and r["peak_bytes"]]
+    by: dict[str, list[dict[str, str]]] = {}
+    for r in rows:
+        by.setdefault(r["model"], []).append(r)
+    out = []
+    for model, rs in by.items():
+        exact = sum(r["peak_bytes"] == r["predicted_peak_bytes"] for r in rs)
+        gap = max(
+            (_num(r["allocator_peak_bytes"]) or 0) / (_num(r["peak_bytes"]) or 1) - 1 for r in rs
+        )
+        equal = sum(r["equal"] == "True" for r in rs)
+        out.append([model, str(len(rs)), str(exact), str(equal), f"{100 * gap:+.1f}%"])
+    header = ["model", "remat plans run", "predicted == measured", "bitwise equal to eager",
+              "largest allocator peak above the live peak"]  # fmt: skip
+    return _table(header, out)
+
+
+def chain_gap_table() -> str:
+    out = []
+    for layers in (4, 8):
+        for r in _read(f"chain_gap_{layers}layers.csv"):
+            out.append(
+                [
+                    r["model"],
+                    f"{int(r['budget_bytes']):,}",
+                    _fmt(_num(r["chain_us"])),
+                    _fmt(_num(r["exact_us"])),
+                    _fmt(_num(r["exact_bound_us"])),
+                    "yes" if r["exact_proven"] == "True" else "no",
+                    _fmt(_num(r["gap_pct"])),
+                    _fmt(_num(r["chain_s"]), 1),
+                    _fmt(_num(r["exact_s"]), 1),
+                ]
+            )
+    header = ["model", "budget B", "chain us", "flat MILP us", "flat bound us", "proven",
+              "gap %", "chain s", "flat s"]  # fmt: skip
+    return _table(header, out)
+
+
+def scale_table() -> str:
+    out = [
+        [
+            r["config"],
+            r["solver"],
+            _fmt(_num(r["capture_s"]), 1),
+            _fmt(_num(r["joint_s"]), 1),
+            _fmt(_num(r["solve_s"]), 1),
+            _fmt(_num(r["wall_s"]), 1),
+            _fmt(_num(r["max_rss_gib"])),
+            _fmt(_num(r["step_peak_gb"])),
+            _fmt(_num(r["total_gb"])),
+            _fmt(_num(r["recompute_pct"])),
+            _fmt(_num(r["megatron_peak_gb"])),
+        ]
+        for r in _read("scale.csv")
+    ]
+    header = ["config", "solver", "capture s", "joint s", "solve s", "wall s", "max RSS GiB",
+              "step peak GB", "device total GB", "recompute %", "Megatron's peak GB"]  # fmt: skip
+    return _table(header, out)
+
+
+def megatron_table() -> str:
+    out = [
+        [
+            f"({r['s']}, {r['h']}, {r['a']})",
+            r["precision"],
+            _fmt(_num(r["paper_keep_all_sbh"]), 1),
+            _fmt(_num(r["keep_all_per_layer_sbh"]), 3),
+            r["paper_selective_sbh"],
+            _fmt(_num(r["megatron_per_layer_sbh"]), 3),
+            _fmt(_num(r["block_per_layer_sbh"]), 1),
+            _fmt(_num(r["sdpa_p0_per_layer_sbh"]), 3),
+        ]
+        for r in _read("megatron_check.csv")
+    ]
+    header = ["(s, h, a)", "precision", "paper keep-all", "remat keep-all", "paper selective",
+              "remat megatron", "remat block", "remat SDPA (p=0)"]  # fmt: skip
+    return _table(header, out)
+
+
+def gpu_table() -> str:
+    measured = json.loads((RESULTS / "gpu_h200_measured.json").read_text())
+    rows = [r for r in _read("gpu_table.csv") if r["attn"] == "sdpa"]
+    out = []
+    for r in rows:
+        if r["plan"] not in ("keep_all", "block", "chain@block_peak", "chain@80GB"):
+            continue
+        ck = 0 if r["plan"] == "keep_all" else 1
+        h200 = measured.get(f"B {r['seq']} ck={ck}") if r["plan"] in ("keep_all", "block") else None
+        h200_s = "OOM" if h200 == "OOM" else _fmt(h200["step_gb"]) if h200 else "-"
+        out.append(
+            [
+                r["seq"],
+                r["plan"],
+                r["table_gb"] or "-",
+                _fmt(_num(r["step_peak_gb"])),
+                _fmt(_num(r["plus_params_gb"])),
+                h200_s,
+                _fmt(_num(r["recompute_pct"]), 1),
+                _fmt(_num(r["recompute_flops_pct"]), 1),
+            ]
+        )
+    header = ["seq", "plan", "table GB", "remat step GB", "remat step + params GB",
+              "H200 eager step GB", "recompute % time", "recompute % FLOPs"]  # fmt: skip
+    return _table(header, out)
+
+
+def table2() -> str:
+    """Checkmate's Table 2: geometric mean over budgets of each heuristic's cost / the exact
+    MILP's, on the model where the MILP proves optimality (budgets where it did, cost > 0)."""
+    rows = _read("solvers_gpt2_2x768_s1024_b8.csv")
+    proven = {
+        r["budget_bytes"]
+        for r in rows
+        if r["solver"] == "exact" and r["exact_proven_optimal"] == "True" and _num(r["recompute_s"])
+    }
+    ratios: dict[str, list[float]] = {}
+    fits: dict[str, int] = {}
+    for r in rows:
+        if r["budget_bytes"] in proven and r["solver"] != "exact":
+            v = _num(r["vs_exact"])
+            if v is not None:
+                ratios.setdefault(r["solver"], []).append(v)
+                fits[r["solver"]] = fits.get(r["solver"], 0) + 1
+    out = [
+        [s, str(fits[s]), f"{math.exp(sum(map(math.log, v)) / len(v)):.2f}x"]
+        for s, v in sorted(ratios.items(), key=lambda kv: kv[0])
+        if all(x > 0 for x in v)
+    ]
+    header = ["solver", f"budgets (of {len(proven)} proven)", "geo-mean cost / optimum"]
+    return _table(header, out)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "compare": compare_table,
+    "predicted": predicted_table,
+    "chain_gap": chain_gap_table,
+    "scale": scale_table,
+    "megatron": megatron_table,
+    "gpu_table": gpu_table,
+    "table2": table2,
+}
+MARK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+
+
+def build(text: str) -> str:
+    """``text`` with every marked table regenerated."""
+
+    def fill(m: re.Match[str]) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise KeyError(f"paper.md names an unknown table {name!r}; known: {sorted(TABLES)}")
+        return f"{m.group(1)}{TABLES[name]()}\n{m.group(4)}"
+
+    return MARK.sub(fill, text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail if a table is out of date")
+    a = ap.parse_args()
+    text = PAPER.read_text()
+    new = build(text)
+    if a.check:
+        if new != text:
+            print("paper/paper.md is out of date: run python paper/build.py", file=sys.stderr)
+            return 1
+        return 0
+    PAPER.write_text(new)
+    print(f"wrote {PAPER}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
