@@ -53,7 +53,7 @@ def _is_random(node: torch.fx.Node) -> bool:
             p = node.kwargs.get(
                 "dropout_p", node.args[k] if k < len(node.args) else arg.default_value
             )
-            return p != 0
+            return bool(p != 0)
     return True
 
 
