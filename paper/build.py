@@ -77,6 +77,38 @@ def compare_table() -> str:
     return _table(header, out)
 
 
+def at_budget_table() -> str:
+    """The other direction: at each budget of remat's sweep, the cheapest peer run whose
+    measured peak fits (per family: PyTorch's partitioner, eager checkpointing)."""
+    rows = _read("compare.csv")
+    out = []
+    for r in rows:
+        if r["kind"] != "sweep" or not r["peak_bytes"]:
+            continue
+        budget = int(r["budget_bytes"])
+        cells = [r["model"], _fmt(budget / MIB), _fmt(int(r["recompute_flops"]) / 1e9, 3)]
+        for family in (("torch_budget",), ("torch_checkpoint", "hf_checkpointing")):
+            fits = [
+                p
+                for p in rows
+                if p["model"] == r["model"]
+                and p["kind"] == "peer"
+                and p["method"] in family
+                and int(p["peak_bytes"]) <= budget
+            ]
+            best = min(fits, key=lambda p: int(p["recompute_flops"] or 0), default=None)
+            cells.append(
+                "does not fit"
+                if best is None
+                else f"{best['setting']}: {_fmt(int(best['recompute_flops'] or 0) / 1e9, 3)}"
+                + ("" if best["equal"] == "True" else " (not bitwise)")
+            )
+        out.append(cells)
+    header = ["model", "budget MiB", "remat recompute GFLOP",
+              "PyTorch partitioner: budget, GFLOP", "eager checkpointing: GFLOP"]  # fmt: skip
+    return _table(header, out)
+
+
 def predicted_table() -> str:
     """Every remat row of the comparison: predicted against measured peak."""
     rows = [r for r in _read("compare.csv") if r["method"] == "remat" and r["peak_bytes"]]
@@ -215,6 +247,7 @@ def table2() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "compare": compare_table,
     "predicted": predicted_table,
+    "at_budget": at_budget_table,
     "chain_gap": chain_gap_table,
     "scale": scale_table,
     "megatron": megatron_table,
