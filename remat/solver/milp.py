@@ -350,7 +350,13 @@ class _Model:
         upBound: float | None = None,
         cat: str = "Continuous",  # noqa: N803
     ) -> pulp.LpVariable:
-        return self.lp.add_variable(name, lowBound, upBound, cat=cat)
+        var = self.lp.add_variable(name, lowBound, upBound, cat=cat)
+        if cat == "Binary":
+            # pulp resets a binary's bounds to [0, 1] whatever it is given: fixing one (a folded
+            # value never saved, a neighbourhood's fixed choices) needs them set afterwards.
+            var.lowBound = 0 if lowBound is None else lowBound
+            var.upBound = 1 if upBound is None else upBound
+        return var
 
     def _build(self, budget: int | None) -> None:
         p, lp, T = self.problem, self.lp, self.T
@@ -694,7 +700,8 @@ def exact(
     that fits.
     """
     keep_all = make_plan(problem, fixed_saved_set(problem, "keep_all"), solver="exact", reason="")
-    if budget_bytes is None or keep_all.predicted_peak_bytes <= budget_bytes:
+    fits = budget_bytes is not None and keep_all.predicted_peak_bytes <= budget_bytes
+    if budget_bytes is None or (fits and free is None):
         return dataclasses.replace(
             keep_all,
             reason="exact: keep_all fits, no recomputation needed (optimal)",

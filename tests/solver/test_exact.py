@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from remat.problem import Problem, Role
 from remat.solver import make_plan
 from remat.solver.checkmate import checkmate_bound
+from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact, min_peak
@@ -156,3 +157,54 @@ def test_released_gradients_match_exhaustive_search(case: tuple[Problem, frozens
         plan = exact(prob, budget_bytes=budget, config=CONFIG)
         assert plan.predicted_peak_bytes <= budget
         assert plan.recompute_time_s == pytest.approx(optimum(results, budget))
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems())
+def test_neighbourhood_solves_stay_within_their_neighbourhood(
+    case: tuple[Problem, frozenset[str]],
+) -> None:
+    """``free=``: nothing free gives back the start's cost; everything free gives the optimum;
+    in between, a plan that fits, between the two. (The fixed values keep the MILP's choice;
+    the executor's schedule may still save a fixed value, e.g. rather than recompute a second
+    copy of a storage another holder keeps.)"""
+    prob, _ = case
+    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+        return
+    results = brute_force(prob)
+    forward = [v.name for v in prob.values if v.role is Role.FORWARD]
+    keep_all = solve(prob, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    # Budgets where something must be recomputed (above, the flat solve returns keep-all
+    # without a model).
+    for budget in [b for b in sorted({peak for _, peak in results}) if b < keep_all][:2]:
+        start = min(
+            (make_plan(prob, s, solver="start", reason="") for s in _subsets(prob)),
+            key=lambda p: (p.predicted_peak_bytes > budget, -p.recompute_time_s),
+        )
+        # In the compressed problem's terms (a saved view becomes its base, a saved folded
+        # value its consumer: never worse), which is what the MILP fixes.
+        start = make_plan(prob, compress(prob).lower(start.saved), solver="start", reason="")
+        if start.predicted_peak_bytes > budget:
+            continue
+        none = exact(prob, budget_bytes=budget, config=CONFIG, start=start, free=())
+        assert none.recompute_time_s == pytest.approx(start.recompute_time_s, abs=1e-9)
+        assert none.lower_bound_s is None
+        best = optimum(results, budget)
+        every = exact(prob, budget_bytes=budget, config=CONFIG, start=start, free=forward)
+        assert every.recompute_time_s == pytest.approx(best, abs=1e-9)
+        half = set(forward[::2])
+        some = exact(prob, budget_bytes=budget, config=CONFIG, start=start, free=half)
+        assert some.predicted_peak_bytes <= budget
+        assert some.recompute_time_s <= start.recompute_time_s + 1e-9
+        assert best is not None and some.recompute_time_s >= best - 1e-9
+
+
+def _subsets(prob: Problem) -> list[frozenset[str]]:
+    """Every saved set of the problem's non-random forward values (random ones always saved)."""
+    values = [v.name for v in prob.values if v.role is Role.FORWARD and not v.random]
+    randoms = frozenset(v.name for v in prob.values if v.role is Role.FORWARD and v.random)
+    return [
+        randoms | frozenset(c)
+        for k in range(len(values) + 1)
+        for c in itertools.combinations(values, k)
+    ]
