@@ -1,7 +1,7 @@
 """remat against the peers a user would pick instead, side by side in one process and one run.
 
     python experiments/compare.py                  # every model, 5 budgets, timing (~30 min)
-    python experiments/compare.py --quick          # tiny models, 3 budgets, no timing (~1 min):
+    python experiments/compare.py --quick          # tiny models, 3 budgets, no timing (~30 s):
                                                    # checks, not figures (solver chen_greedy)
     python experiments/compare.py --models gpt2,unet --budgets 4 --reps 3
 
@@ -13,13 +13,13 @@ has it), one training step as :func:`remat.meter.training_step` defines it:
   ``gradient_checkpointing_enable()`` (HF models); ``torch.utils.checkpoint`` around every block
   and around ceil(sqrt(L))-block segments. Each peer's peak is *measured* (live-storage meter).
 * **remat at each peer's measured peak** (``matched``): planned (``--solver``, default ``auto``)
-  with exactly that
-  budget in bytes, so the two recompute costs compare at equal memory.
+  for exactly that many bytes, so the two recompute costs compare at equal memory.
 * **remat's sweep**: budgets evenly from the least peak remat reaches to keep-all's.
 
-Every remat row is run and measured: predicted and measured peak, allocator peak, recompute FLOPs
-(measured with FlopCounterMode, as for the peers), and outputs and gradients compared bitwise with
-eager's. With ``--reps`` > 0, CPU step time / eager (one thread, interleaved repetitions, median)
+Every remat row is run and measured: predicted and measured peak, allocator peak, and outputs
+and gradients compared bitwise with eager's. Recompute FLOPs are counted with the same FLOP
+registry for all: FlopCounterMode (checkpointed step minus eager) for eager checkpointing, the
+registry over the recomputed ops for remat's plans and the partitioner's backward graph. With ``--reps`` > 0, CPU step time / eager (one thread, interleaved repetitions, median)
 for every row. Writes ``results/compare[_quick].csv`` (one row per measured configuration) and
 ``results/compare[_quick]_<model>.png``; ``paper/build.py`` turns the CSV into the paper's tables.
 """

@@ -16,7 +16,7 @@ Peers:
 - :func:`block_checkpoint_peer`: ``torch.utils.checkpoint`` around every block of the model's
   ``ModuleList``, or around groups of ceil(sqrt(L)) blocks (Chen et al.'s segments).
 
-Pitfalls found while building this (see also DESIGN.md): the partitioner's budget is not part
+Pitfalls found while building this: the partitioner's budget is not part
 of Dynamo's guards, so Dynamo is reset for every budget; compilation (forward and, lazily, the
 backward) happens in a warm-up step outside the meter; the meter itself must tell Dynamo to
 ignore it (:meth:`remat.meter.LiveMemoryMeter.ignore_compile_internals`), or the "compiled"
@@ -173,9 +173,9 @@ def _compiled(
 def memory_budget_peer(
     model: nn.Module, args: tuple[Any, ...], budget: float, ref: Reference
 ) -> Row:
-    """PyTorch's partitioner at ``activation_memory_budget = budget``. Recompute FLOPs: the
-    FLOP registry over forward ops found again in the backward graph (the partitioner's own
-    count)."""
+    """PyTorch's partitioner at ``activation_memory_budget = budget``. Recompute FLOPs: remat's
+    FLOP registry over the backward graph's nodes that share a name with a forward node (how
+    the partitioner's debug log counts recomputed ops); None with graph breaks."""
     compiled, m, flops = _compiled(model, args, budget)
     row = _row("torch_budget", f"{budget:g}", compiled, m, args, ref, None if flops < 0 else flops)
     tc.dynamo_reset()

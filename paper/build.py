@@ -27,6 +27,14 @@ MIB = 2**20
 
 
 def _read(name: str) -> list[dict[str, str]]:
+    if name == "compare.csv":  # the full run, possibly in parts (compare_part*.csv)
+        parts = [RESULTS / name, *sorted(RESULTS.glob("compare_part*.csv"))]
+        rows = []
+        for path in parts:
+            if path.exists():
+                with path.open() as f:
+                    rows += list(csv.DictReader(f))
+        return rows
     with (RESULTS / name).open() as f:
         return list(csv.DictReader(f))
 
@@ -39,6 +47,12 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
+def _gflop(x: str | None) -> str:
+    """GFLOP, or "-" where the harness could not attribute them (e.g. graph breaks)."""
+    v = _num(x)
+    return "-" if v is None else _fmt(v / 1e9, 3)
+
+
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -48,27 +62,27 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 def compare_table() -> str:
     """Each peer at its measured peak beside remat planned for exactly that peak."""
     rows = _read("compare.csv")
+    matched = {(r["model"], r["setting"]): r for r in rows if r["kind"] == "matched"}
     out = []
-    for i, r in enumerate(rows):
+    for r in rows:
         if r["kind"] != "peer" or r["method"] == "eager":
             continue
-        m = next(
-            (x for x in rows[i + 1 :] if x["kind"] == "matched" and x["model"] == r["model"]), None
-        )
+        m = matched.get((r["model"], f"{r['method']} {r['setting']}"))
         if m is None:
             continue
+        ran = bool(m["peak_bytes"])
         out.append(
             [
                 r["model"],
                 f"{r['method']} {r['setting']}",
                 _fmt(_num(r["peak_bytes"]) / MIB),  # type: ignore[operator]
-                _fmt((_num(r["recompute_flops"]) or 0) / 1e9, 3),
+                _gflop(r["recompute_flops"]),
                 _fmt(_num(r["time_ratio"])),
                 "yes" if r["equal"] == "True" else f"**no** ({r['differing']})",
-                _fmt((_num(m["peak_bytes"]) or 0) / MIB) if m["peak_bytes"] else "-",
-                _fmt((_num(m["recompute_flops"]) or 0) / 1e9, 3) if m["peak_bytes"] else "-",
+                _fmt((_num(m["peak_bytes"]) or 0) / MIB) if ran else m["reason"],
+                _gflop(m["recompute_flops"]) if ran else "-",
                 _fmt(_num(m["time_ratio"])),
-                ("yes" if m["equal"] == "True" else "**no**") if m["peak_bytes"] else "-",
+                ("yes" if m["equal"] == "True" else "**no**") if ran else "-",
             ]
         )
     header = ["model", "peer", "peer peak MiB", "peer recompute GFLOP", "peer time x",
@@ -96,11 +110,12 @@ def at_budget_table() -> str:
                 and p["method"] in family
                 and int(p["peak_bytes"]) <= budget
             ]
-            best = min(fits, key=lambda p: int(p["recompute_flops"] or 0), default=None)
+            known = [p for p in fits if _num(p["recompute_flops"]) is not None]
+            best = min(known, key=lambda p: float(p["recompute_flops"]), default=None)
             cells.append(
-                "does not fit"
+                ("does not fit" if not fits else "fits, FLOPs unknown")
                 if best is None
-                else f"{best['setting']}: {_fmt(int(best['recompute_flops'] or 0) / 1e9, 3)}"
+                else f"{best['setting']}: {_gflop(best['recompute_flops'])}"
                 + ("" if best["equal"] == "True" else " (not bitwise)")
             )
         out.append(cells)
@@ -228,19 +243,17 @@ def table2() -> str:
         if r["solver"] == "exact" and r["exact_proven_optimal"] == "True" and _num(r["recompute_s"])
     }
     ratios: dict[str, list[float]] = {}
-    fits: dict[str, int] = {}
     for r in rows:
         if r["budget_bytes"] in proven and r["solver"] != "exact":
             v = _num(r["vs_exact"])
-            if v is not None:
+            if v is not None:  # None: the solver's plan does not fit that budget
                 ratios.setdefault(r["solver"], []).append(v)
-                fits[r["solver"]] = fits.get(r["solver"], 0) + 1
+    # Every ratio is positive: the optimum at these budgets recomputes something.
     out = [
-        [s, str(fits[s]), f"{math.exp(sum(map(math.log, v)) / len(v)):.2f}x"]
+        [s, str(len(v)), f"{math.exp(sum(map(math.log, v)) / len(v)):.2f}x"]
         for s, v in sorted(ratios.items(), key=lambda kv: kv[0])
-        if all(x > 0 for x in v)
     ]
-    header = ["solver", f"budgets (of {len(proven)} proven)", "geo-mean cost / optimum"]
+    header = ["solver", f"budgets it fits (of {len(proven)} proven)", "geo-mean cost / optimum"]
     return _table(header, out)
 
 
@@ -263,7 +276,7 @@ def build(text: str) -> str:
     def fill(m: re.Match[str]) -> str:
         name = m.group(2)
         if name not in TABLES:
-            raise KeyError(f"paper.md names an unknown table {name!r}; known: {sorted(TABLES)}")
+            raise ValueError(f"paper.md names an unknown table {name!r}; known: {sorted(TABLES)}")
         return f"{m.group(1)}{TABLES[name]()}\n{m.group(4)}"
 
     return MARK.sub(fill, text)

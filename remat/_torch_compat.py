@@ -39,12 +39,13 @@ __all__ = [
     "TangentAOTInput",
     "activation_memory_budget",
     "allocator_events",
-    "dynamo_reset",
-    "min_cut_backend",
     "boxed_codegen",
+    "dynamo_reset",
     "export_joint",
     "flop_registry",
     "is_fake",
+    "min_cut_backend",
+    "op_arguments",
     "sdpa_backward_flop_count",
     "sdpa_flop_count",
     "storage_key",
@@ -135,3 +136,8 @@ def min_cut_backend(on_forward: Any, on_backward: Any) -> Any:
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )
+
+
+def op_arguments(op: torch._ops.OpOverload) -> list[Any]:
+    """The schema's arguments of an ATen overload (each with ``.name``, ``.default_value``)."""
+    return list(op._schema.arguments)

@@ -35,7 +35,8 @@ class LiveMemoryMeter(TorchDispatchMode):
         """Let ``torch.compile``d code run under the meter. Otherwise Dynamo silently runs every
         frame eagerly while a dispatch mode is active, and keeps doing so for that code after
         the meter exits (until ``torch._dynamo.reset()``): a compiled peer would be measured as
-        eager. The compiled graphs' aten ops still dispatch through the meter."""
+        eager. Graphs compiled with ``aot_eager`` run their aten ops eagerly, so those still
+        dispatch through the meter; kernels a backend fuses (Inductor) would not."""
         return True
 
     def _free(self, key: int, nbytes: int) -> None:

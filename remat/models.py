@@ -120,6 +120,12 @@ class UNet(nn.Module):
         self.out = nn.Conv2d(widths[0], out_channels, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = 2 ** len(self.down)
+        if x.shape[-1] % side or x.shape[-2] % side:
+            raise ValueError(
+                f"UNet of depth {len(self.down)} needs input sides divisible by {side}, "
+                f"got {tuple(x.shape[-2:])}"
+            )
         x = self.inp(x)
         skips = []
         for down in self.down:

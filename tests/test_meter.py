@@ -55,12 +55,14 @@ def test_compiled_code_runs_compiled_under_the_meter() -> None:
         return run
 
     torch._dynamo.reset()
-    fn = torch.compile(lambda x: (x * 2).sin(), backend=backend)
-    x = torch.randn(64)
-    fn(x)  # compiled outside the meter
-    calls.clear()
-    with LiveMemoryMeter() as meter:
-        fn(x)
-    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda x: (x * 2).sin(), backend=backend)
+        x = torch.randn(64)
+        fn(x)  # compiled outside the meter
+        calls.clear()
+        with LiveMemoryMeter() as meter:
+            fn(x)
+    finally:
+        torch._dynamo.reset()
     assert calls == [1]
     assert meter.peak_bytes >= 64 * 4

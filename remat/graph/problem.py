@@ -48,7 +48,7 @@ def _is_random(node: torch.fx.Node) -> bool:
         return False
     if torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    for k, arg in enumerate(target._schema.arguments):
+    for k, arg in enumerate(tc.op_arguments(target)):
         if arg.name == "dropout_p":
             p = node.kwargs.get(
                 "dropout_p", node.args[k] if k < len(node.args) else arg.default_value

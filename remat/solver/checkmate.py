@@ -182,7 +182,8 @@ def checkmate_bound(
     lp.solve(_backend(config, config.time_limit_s, {}))
     if lp.status == pulp.LpStatusInfeasible:
         # Confirmed without presolve, which once called a feasible model infeasible.
-        lp.solve(_backend(config, config.time_limit_s, {}, presolve=False))
+        left = max(1.0, config.time_limit_s - (time.perf_counter() - t0))
+        lp.solve(_backend(config, left, {}, presolve=False))
     elapsed = time.perf_counter() - t0
     if lp.status == pulp.LpStatusInfeasible:
         return CheckmateBound(float("inf"), None, True, elapsed, binaries)

@@ -116,13 +116,14 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
 
 
 PROBING = 1 << 15
-"""HiGHS's ``presolve_rule_off`` bit for probing."""
+"""HiGHS's ``presolve_rule_off`` bit for probing (rule 15 in HiGHS 1.16's log, "Probing")."""
 
 
 def _backend(
     config: SolverConfig,
     time_limit: float,
     start: Mapping[pulp.LpVariable, float],
+    *,
     probing: bool = True,
     presolve: bool = True,
 ) -> pulp.LpSolver:
@@ -738,8 +739,9 @@ def _solve(
     fix: dict[str, str] = {}
     if free is not None and start is not None:
         movable = {comp.leader(comp.rep.get(n, n)) for n in free}
-        kept = comp.lower(start.saved)
-        stage = _stage_ops(make_plan(problem, kept, solver=start.solver, reason=""))
+        made = make_plan(problem, comp.lower(start.saved), solver=start.solver, reason="")
+        kept = set(made.schedule.saved) | comp.lower(start.saved)
+        stage = _stage_ops(made)
         fix = {
             n: SAVED if n in kept else stage.get(n, UNUSED)
             for n in problem.forward_names
@@ -783,7 +785,7 @@ def _solve(
                 return dataclasses.replace(
                     start,
                     reason=f"exact MILP found nothing better in time; kept {start.solver}",
-                    lower_bound_s=_cost_bound(model) if not fix else start.lower_bound_s,
+                    lower_bound_s=_cost_bound(model) if free is None else start.lower_bound_s,
                 )
             raise _budget_error(original, budget_bytes, config, floor, None)
         saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
@@ -803,7 +805,7 @@ def _solve(
             # modelling gap. Solve again for a budget smaller by that much.
             if time.perf_counter() > deadline:
                 # A model solved for less than the budget bounds nothing at the budget.
-                bound = _cost_bound(model) if not (margin or fix) else None
+                bound = _cost_bound(model) if not margin and free is None else None
                 what = f"{rounds} round(s), re-solving for the solver's tolerance"
                 return _out_of_time(start, bound, what)
             margin += math.ceil(over) + 1
@@ -819,7 +821,7 @@ def _solve(
         if time.perf_counter() > deadline:
             # The model so far is a relaxation: its bound is still a valid lower bound (unless
             # it was solved for less than the budget).
-            bound = _cost_bound(model) if not (margin or fix) else None
+            bound = _cost_bound(model) if not margin and free is None else None
             what = f"{rounds} round(s) of cuts"
             return _out_of_time(start if budget_bytes is not None else None, bound, what)
     optimal = model.lp.sol_status == pulp.LpSolutionOptimal
@@ -841,7 +843,7 @@ def _solve(
         if bound is not None
         else "time limit hit"
     )
-    if fix:  # optimal within the neighbourhood only
+    if free is not None:  # optimal within the neighbourhood only
         proof = "optimal in the neighbourhood" if optimal else "time limit hit"
         what += f", {len(model.fwd) - len(fix)} of {len(model.fwd)} values free"
         bound = None
