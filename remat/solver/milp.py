@@ -787,7 +787,23 @@ def _solve(
                     reason=f"exact MILP found nothing better in time; kept {start.solver}",
                     lower_bound_s=_cost_bound(model) if free is None else start.lower_bound_s,
                 )
-            raise _budget_error(original, budget_bytes, config, floor, None)
+            try:
+                least = min_peak(original, config)
+            except RuntimeError:
+                raise BudgetError(
+                    budget_bytes, floor, "exact MILP out of time", achievable=False
+                ) from None
+            if least.predicted_peak_bytes <= budget_bytes:
+                # The budgeted model found nothing in time (or, at a budget equal to the least
+                # peak, lost it to the solver's tolerance), but the least-peak plan fits.
+                return dataclasses.replace(
+                    least,
+                    solver="exact",
+                    reason=f"exact MILP found no plan for the budget ({status}); its least-peak "
+                    "plan fits it (recompute time not optimised)",
+                    lower_bound_s=None,
+                )
+            raise BudgetError(budget_bytes, least.predicted_peak_bytes, "exact MILP")
         saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
         plan = make_plan(problem, saved, solver="exact", reason="")
         sim = plan.simulation

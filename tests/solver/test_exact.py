@@ -208,3 +208,28 @@ def _subsets(prob: Problem) -> list[frozenset[str]]:
         for k in range(len(values) + 1)
         for c in itertools.combinations(values, k)
     ]
+
+
+def test_a_budgeted_model_that_finds_nothing_falls_back_to_the_least_peak_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At a budget equal to the least peak, the budgeted MILP can find nothing in time (seen on
+    a U-Net at a 10 s limit) while the least-peak MILP has a plan that fits: return that plan,
+    not a BudgetError naming the budget itself as the least peak."""
+    from remat.solver import milp
+
+    prob = _layers(4)
+    least = min_peak(prob, CONFIG).predicted_peak_bytes
+    build = milp._Model._build
+
+    def no_plan_with_a_budget(self: milp._Model, budget: int | None) -> None:
+        build(self, budget)
+        if budget is not None:  # make every budgeted model infeasible
+            self.lp += self.s[self.fwd[0]] >= 2
+
+    monkeypatch.setattr(milp._Model, "_build", no_plan_with_a_budget)
+    plan = exact(prob, budget_bytes=least, config=CONFIG)
+    assert plan.predicted_peak_bytes <= least
+    assert "least-peak plan fits" in plan.reason and plan.lower_bound_s is None
+    with pytest.raises(BudgetError):
+        exact(prob, budget_bytes=least - 1, config=CONFIG)
