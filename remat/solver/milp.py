@@ -734,19 +734,18 @@ def _solve(
     comp = compress(original)
     problem = comp.problem
     small_start = None
+    fix: dict[str, str] = {}
     if start is not None:
         small_start = make_plan(problem, comp.lower(start.saved), solver=start.solver, reason="")
-    fix: dict[str, str] = {}
-    if free is not None and start is not None:
-        movable = {comp.leader(comp.rep.get(n, n)) for n in free}
-        made = make_plan(problem, comp.lower(start.saved), solver=start.solver, reason="")
-        kept = set(made.schedule.saved) | comp.lower(start.saved)
-        stage = _stage_ops(made)
-        fix = {
-            n: SAVED if n in kept else stage.get(n, UNUSED)
-            for n in problem.forward_names
-            if n not in movable
-        }
+        if free is not None:
+            movable = {comp.leader(comp.rep.get(n, n)) for n in free}
+            kept = small_start.saved | comp.lower(start.saved)
+            stage = _stage_ops(small_start)
+            fix = {
+                n: SAVED if n in kept else stage.get(n, UNUSED)
+                for n in problem.forward_names
+                if n not in movable
+            }
     model = _Model(problem, budget_bytes, comp.fold, fix)
     floor = max([*model.bw_base, *model.fw_base, model.tail_max])
     what = "least recompute time" if budget_bytes is not None else "least peak"
