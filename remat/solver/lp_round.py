@@ -19,7 +19,7 @@ from remat.problem import Problem
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set
-from remat.solver.milp import _backend, _budget_error, _Model
+from remat.solver.milp import _backend, _budget_error, _least_plan, _Model
 from remat.solver.plan import Plan, make_plan
 
 RANDOM_ROUNDINGS = 16
@@ -44,7 +44,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
     model = _Model(small, budget_bytes, comp.fold)
     floor = max([*model.bw_base, *model.fw_base, model.tail_max])
     if budget_bytes < floor:
-        raise _budget_error(problem, budget_bytes, config, floor, None)
+        raise _budget_error(budget_bytes, floor, _least_plan(problem, config, None))
     for var in model.lp.variables():
         var.cat = pulp.LpContinuous
     if config.progress:
@@ -66,7 +66,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
         if hs is not None:
             status += f" / HiGHS {hs.modelStatusToString(hs.getModelStatus())}"
         if model.lp.status == pulp.LpStatusInfeasible:
-            raise _budget_error(problem, budget_bytes, config, floor, None)
+            raise _budget_error(budget_bytes, floor, _least_plan(problem, config, None))
         raise RuntimeError(f"lp_round: the LP relaxation was not solved ({status})")
     bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / model.scale
     frac = {n: float(v.value() or 0.0) for n, v in model.s.items()}

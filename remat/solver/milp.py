@@ -750,7 +750,7 @@ def _solve(
     floor = max([*model.bw_base, *model.fw_base, model.tail_max])
     what = "least recompute time" if budget_bytes is not None else "least peak"
     if budget_bytes is not None and budget_bytes < floor:
-        raise _budget_error(original, budget_bytes, config, floor, start)
+        raise _budget_error(budget_bytes, floor, _least_plan(original, config, start))
     if model.budget_var is not None:
         model.budget_var.lowBound = floor
         if start is not None:
@@ -786,13 +786,8 @@ def _solve(
                     reason=f"exact MILP found nothing better in time; kept {start.solver}",
                     lower_bound_s=_cost_bound(model) if free is None else start.lower_bound_s,
                 )
-            try:
-                least = min_peak(original, config)
-            except RuntimeError:
-                raise BudgetError(
-                    budget_bytes, floor, "exact MILP out of time", achievable=False
-                ) from None
-            if least.predicted_peak_bytes <= budget_bytes:
+            least = _least_plan(original, config, None)
+            if least is not None and least.predicted_peak_bytes <= budget_bytes:
                 # The budgeted model found nothing in time (or, at a budget equal to the least
                 # peak, lost it to the solver's tolerance), but the least-peak plan fits.
                 return dataclasses.replace(
@@ -802,7 +797,7 @@ def _solve(
                     "plan fits it (recompute time not optimised)",
                     lower_bound_s=None,
                 )
-            raise BudgetError(budget_bytes, least.predicted_peak_bytes, "exact MILP")
+            raise _budget_error(budget_bytes, floor, least)
         saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
         plan = make_plan(problem, saved, solver="exact", reason="")
         sim = plan.simulation
@@ -889,18 +884,20 @@ def _out_of_time(start: Plan | None, bound: float | None, what: str) -> Plan:
     )
 
 
-def _budget_error(
-    problem: Problem, budget: int, config: SolverConfig, floor: int, start: Plan | None
-) -> BudgetError:
-    """The error for a budget no plan meets, with the least peak the MILP proves (or, if it
-    runs out of time, the least known: ``start``'s, else the floor as a lower bound)."""
+def _least_plan(problem: Problem, config: SolverConfig, start: Plan | None) -> Plan | None:
+    """The least-peak plan the MILP proves, or, if it runs out of time, ``start`` (if any)."""
     try:
-        least = min_peak(problem, config, start).predicted_peak_bytes
+        return min_peak(problem, config, start)
     except RuntimeError:
-        if start is None:
-            return BudgetError(budget, floor, "exact MILP out of time", achievable=False)
-        least = start.predicted_peak_bytes
-    return BudgetError(budget, least, "exact MILP")
+        return start
+
+
+def _budget_error(budget: int, floor: int, least: Plan | None) -> BudgetError:
+    """The error for a budget no plan meets, with the least known peak (``least``'s), else the
+    plan-independent floor as a lower bound."""
+    if least is None:
+        return BudgetError(budget, floor, "exact MILP out of time", achievable=False)
+    return BudgetError(budget, least.predicted_peak_bytes, "exact MILP")
 
 
 def _safe(name: str) -> str:
