@@ -1,9 +1,10 @@
 """remat against the peers a user would pick instead, side by side in one process and one run.
 
-    python experiments/compare.py                  # every model, 5 budgets, timing (~30 min)
+    python experiments/compare.py                  # every model, 5 budgets, timing (hours),
+                                                   # each model in a fresh process
     python experiments/compare.py --quick          # tiny models, 3 budgets, no timing (~30 s):
                                                    # checks, not figures (solver chen_greedy)
-    python experiments/compare.py --models gpt2,unet --budgets 4 --reps 3
+    python experiments/compare.py --models gpt2_small,unet --budgets 4 --reps 5
 
 For each model (built here from small random configs, fp32, CPU, dropout on where the model
 has it), one training step as :func:`remat.meter.training_step` defines it:
@@ -20,8 +21,9 @@ Every remat row is run and measured: predicted and measured peak, allocator peak
 and gradients compared bitwise with eager's. Recompute FLOPs are counted with the same FLOP
 registry for all: FlopCounterMode (checkpointed step minus eager) for eager checkpointing, the
 registry over the recomputed ops for remat's plans and the partitioner's backward graph. With ``--reps`` > 0, CPU step time / eager (one thread, interleaved repetitions, median)
-for every row. Writes ``results/compare[_quick].csv`` (one row per measured configuration) and
-``results/compare[_quick]_<model>.png``; ``paper/build.py`` turns the CSV into the paper's tables.
+for every row. Writes ``results/compare/<model>.csv`` (one row per measured configuration) and
+``results/compare/<model>.png`` (``--out PATH``: one CSV for every model, PNGs beside it);
+``paper/build.py`` turns the CSVs into the paper's tables.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import copy
 import csv
 import dataclasses
 import functools
+import subprocess
 import sys
 import time
 import warnings
@@ -302,8 +305,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--quick", action="store_true", help="tiny models, 3 budgets, no timing")
     ap.add_argument("--models", default="", help="comma-separated subset")
     ap.add_argument("--budgets", type=int, default=None, help="remat sweep points (5; quick 3)")
-    ap.add_argument("--reps", type=int, default=None, help="timing rounds (5; quick 0: none)")
-    ap.add_argument("--time-limit", type=float, default=30.0, help="remat's solver time limit")
+    ap.add_argument("--reps", type=int, default=None, help="timing rounds (3; quick 0: none)")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="remat's solver time limit")
     ap.add_argument("--solver", default=None, help="remat's solver (auto; quick chen_greedy)")
     ap.add_argument("--out", type=Path, default=None, help="CSV path")
     a = ap.parse_args(argv)
@@ -313,25 +316,46 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if unknown:
         ap.error(f"unknown model(s) {unknown}; valid: {', '.join(specs)}")
     n_budgets = a.budgets or (3 if a.quick else 5)
-    reps = a.reps if a.reps is not None else (0 if a.quick else 5)
+    reps = a.reps if a.reps is not None else (0 if a.quick else 3)
     solver = a.solver or ("chen_greedy" if a.quick else "auto")
-    out = a.out or RESULTS / ("compare_quick.csv" if a.quick else "compare.csv")
     warnings.filterwarnings("ignore")
     console = Console(width=150)
-    rows: list[dict[str, Any]] = []
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if a.out is None and not a.quick and len(names) > 1:
+        # One fresh process per model: a process holding every model's compiled graphs reached
+        # 18 of this machine's 24 GiB.
+        for name in names:
+            child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
+            subprocess.run([*_without_models(child), "--models", name], check=True)
+        return []
+    rows: list[dict[str, Any]] = []  # every model's, returned
     for name in names:
         t0 = time.perf_counter()
         new = run_model(specs[name], n_budgets, reps, a.time_limit, solver, a.quick, console)
         console.print(f"{name}: {time.perf_counter() - t0:.1f} s")
-        plot(new, out.with_name(f"{out.stem}_{name}.png"))
         rows += new
-        with out.open("w", newline="") as f:  # after every model: a long run keeps its rows
+        # --out: one CSV for all, rewritten after each model (a long run keeps its rows);
+        # else one per model under results/compare[_quick]/.
+        out = a.out or RESULTS / ("compare_quick" if a.quick else "compare") / f"{name}.csv"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot(new, out.with_name(f"{out.stem}_{name}.png" if a.out else f"{name}.png"))
+        with out.open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
-            w.writerows({k: r.get(k) for k in COLUMNS} for r in rows)
-    console.print(f"wrote {out}")
+            w.writerows({k: r.get(k) for k in COLUMNS} for r in (rows if a.out else new))
+        console.print(f"wrote {out}")
     return rows
+
+
+def _without_models(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x == "--models":
+            skip = True
+        elif not x.startswith("--models="):
+            out.append(x)
+    return out
 
 
 if __name__ == "__main__":

@@ -26,14 +26,19 @@ PAPER = Path(__file__).parent / "paper.md"
 MIB = 2**20
 
 
+COMPARE_ORDER = ("gpt", "gpt2_small", "gpt2_medium", "llama", "bert", "resnet", "unet")
+
+
 def _read(name: str) -> list[dict[str, str]]:
-    if name == "compare.csv":  # the full run, possibly in parts (compare_part*.csv)
-        parts = [RESULTS / name, *sorted(RESULTS.glob("compare_part*.csv"))]
+    if name == "compare.csv":  # the full comparison: one CSV per model (one process each)
+        paths = sorted(
+            (RESULTS / "compare").glob("*.csv"),
+            key=lambda p: (COMPARE_ORDER.index(p.stem) if p.stem in COMPARE_ORDER else 99, p.stem),
+        )
         rows = []
-        for path in parts:
-            if path.exists():
-                with path.open() as f:
-                    rows += list(csv.DictReader(f))
+        for path in paths:
+            with path.open() as f:
+                rows += list(csv.DictReader(f))
         return rows
     with (RESULTS / name).open() as f:
         return list(csv.DictReader(f))
