@@ -9,7 +9,7 @@ from torch import nn
 
 import remat
 from remat.models import TinyGPT
-from remat.solver.chain import chain_solver
+from remat.solver.chain import _cached_menu, _menu_window, chain_solver
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.registry import least_peak, solve
 from remat.solver.structure import block_problem, find_structure
@@ -127,3 +127,26 @@ def test_hf_llama_chain_plans_train_bitwise() -> None:
         plan = chain_solver(problem, budget_bytes=budget, config=CONFIG)
         assert plan.predicted_peak_bytes <= budget and plan.recomputed
         assert_trains_like_eager(model, case.inputs(), case.kwargs, steps=2, plan=plan)
+
+
+def test_the_all_blocks_window_frees_what_neighbouring_menu_options_disagree_on() -> None:
+    """The refinement window that lets blocks trade memory: in every block, the values on
+    which the block's nearest menu option and its neighbours disagree, plus where the block
+    departs from that option; nothing else of any block."""
+    model, x = _gpt(3)
+    problem = remat.analyze(model, (x,)).problem
+    s = find_structure(problem)
+    (cls,) = s.classes
+    menu = sorted(_cached_menu(problem, s, cls, CONFIG), key=lambda o: o.time_s)
+    assert len(menu) >= 5
+    i = len(menu) // 2
+    saved = {s.correspondence(cls[0], k)[n] for k in cls for n in menu[i].saved}
+    near = [set(o.saved) for o in menu[i - 1 : i + 2]]
+    in_play = set().union(*near) - near[0].intersection(*near)
+    assert in_play
+    expected = {s.correspondence(cls[0], k)[n] for k in cls for n in in_play}
+    assert _menu_window(s, {cls: menu}, saved, 1) == expected
+    # A block that departs from its option: the departure is in play too (in that block only).
+    extra = next(n for n in s.blocks[1].forward if n not in saved and n not in expected)
+    assert _menu_window(s, {cls: menu}, saved | {extra}, 1) == expected | {extra}
+    assert _menu_window(s, {cls: menu}, saved, 0) == set()
