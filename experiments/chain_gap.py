@@ -1,11 +1,14 @@
 """Benchmark (not a test): the chain solver (per-block menus + DP) against the flat exact MILP.
 
     python experiments/chain_gap.py [--layers 4] [--budgets 5] [--time-limit 60]
+    python experiments/chain_gap.py --model gpt2_small [--time-limit 120]
 
-On models small enough for the flat MILP, plans both at budgets spread from the least peak
-either reaches to keep-all's, with the ``a100`` profile. The flat MILP is time-limited: where it
-does not prove optimality its plan is only an upper bound on the optimum (its dual bound is
-printed beside it). Writes experiments/results/chain_gap_<layers>layers.csv.
+On models small enough for the flat MILP (a small Llama, 4x128, seq 128, batch 2, built with
+random weights; GPT-2 small, 12x768, seq 1024, batch 8, under FakeTensorMode), plans both at
+budgets spread from the least peak the chain reaches to keep-all's, with the ``a100`` profile.
+The flat MILP is time-limited: where it does not prove optimality its plan is only an upper
+bound on the optimum (its dual bound is printed beside it). Writes
+experiments/results/chain_gap_<layers>layers.csv (Llama) or chain_gap_gpt2_small.csv.
 """
 
 from __future__ import annotations
@@ -35,14 +38,24 @@ def _llama(layers: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     return LlamaForCausalLM(cfg), (torch.randint(0, 256, (2, 128)),)
 
 
+def _gpt2_small() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with remat.fake_mode():
+        model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024))
+        return model, (torch.randint(0, 50257, (8, 1024)),)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--model", choices=("llama", "gpt2_small"), default="llama")
+    parser.add_argument("--layers", type=int, default=4, help="Llama's layers")
     parser.add_argument("--budgets", type=int, default=5)
     parser.add_argument("--time-limit", type=float, default=60.0)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, inputs = _llama(args.layers)
+    model, inputs = _gpt2_small() if args.model == "gpt2_small" else _llama(args.layers)
+    name = "gpt2_12x768" if args.model == "gpt2_small" else f"llama_{args.layers}x128"
     problem = remat.analyze(model, inputs, device_profile="a100").problem
     config = SolverConfig(time_limit_s=args.time_limit)
     keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
@@ -50,7 +63,7 @@ def main() -> None:
     rows = []
     for k in range(args.budgets):
         budget = lo + (keep_all - lo) * k // max(1, args.budgets - 1)
-        row: dict[str, object] = {"model": f"llama_{args.layers}x128", "budget_bytes": budget}
+        row: dict[str, object] = {"model": name, "budget_bytes": budget}
         for name in ("chain", "exact", "megatron", "chen_greedy"):
             t0 = time.perf_counter()
             try:
@@ -80,7 +93,8 @@ def main() -> None:
         )
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"chain_gap_{args.layers}layers.csv"
+    stem = "gpt2_small" if args.model == "gpt2_small" else f"{args.layers}layers"
+    out = RESULTS / f"chain_gap_{stem}.csv"
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["model", *cols])
         w.writeheader()

@@ -150,8 +150,10 @@ def predicted_table() -> str:
 
 def chain_gap_table() -> str:
     out = []
-    for layers in (4, 8):
-        for r in _read(f"chain_gap_{layers}layers.csv"):
+    for stem in ("4layers", "8layers", "gpt2_small"):
+        if not (RESULTS / f"chain_gap_{stem}.csv").exists():
+            continue
+        for r in _read(f"chain_gap_{stem}.csv"):
             out.append(
                 [
                     r["model"],

@@ -9,11 +9,13 @@ non-tensor leaves) is recorded and rebuilt at run time.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import os
+import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,7 +275,8 @@ def capture(
     used = method
     if method in ("auto", "export"):
         try:
-            gm = torch.export.export(wrapper, flat_inputs, strict=False).module()
+            with _eager_mask_branch(model, args, kwargs):
+                gm = torch.export.export(wrapper, flat_inputs, strict=False).module()
             if autocast is not None:
                 inline_autocast(gm)  # type: ignore[arg-type]
             used = "export"
@@ -300,6 +303,46 @@ def capture(
     if isinstance(gm, torch.fx.GraphModule):
         _strip_asserts(gm)
     return Captured(gm, used, layout, outputs, flat_inputs)
+
+
+@contextlib.contextmanager
+def _eager_mask_branch(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Iterator[None]:
+    """Let Hugging Face's mask code take its eager branch while remat exports.
+
+    Why: with no padding mask, equal query and key lengths and unpacked positions, eager
+    transformers passes ``is_causal=True`` to SDPA; when exporting it always materialises the
+    causal mask instead, because two of its checks cannot run on traced tensors: "not
+    exporting" and "positions not packed" (a data-dependent test on ``position_ids``). Both
+    compute the same attention, through kernels that round differently once the sequence spans
+    several of the kernel's blocks (a Llama at sequence 128 differed in 67 gradients), so the
+    exported step would not be bitwise eager's. remat's graph is specialised to the example
+    inputs' shapes, so the export check is moot; positions are known unpacked when the caller
+    passes none (the model counts them itself) -- when they are passed, transformers' traced
+    branch stays. A padding mask is still seen as traced, so masks built from it are kept."""
+    mod = sys.modules.get("transformers.masking_utils")
+    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
+    if mod is None or not all(hasattr(mod, n) for n in names):
+        yield
+        return
+    saved = {n: getattr(mod, n) for n in names}
+    mod.is_torchdynamo_exporting = lambda: False  # type: ignore[attr-defined]
+    if _bound(model, args, kwargs).get("position_ids") is None:
+        mod.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
+
+
+def _bound(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.forward``'s arguments by name (empty if its signature does not take them)."""
+    try:
+        return dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return {}
 
 
 def _strip_asserts(gm: torch.fx.GraphModule) -> None:

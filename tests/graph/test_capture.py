@@ -139,3 +139,37 @@ def test_meta_device_points_to_fake_mode() -> None:
 def test_sparse_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="dense"):
         remat.optimize(Plain(), torch.randn(3, 6).to_sparse())
+
+
+def test_hf_causal_mask_takes_eager_branch_so_llama_trains_bitwise() -> None:
+    """Exporting, transformers materialises the causal mask where eager passes ``is_causal=True``
+    to SDPA: the same attention, rounded differently once the sequence spans several kernel
+    blocks (at sequence 128, 67 gradients of a Llama differed from eager's)."""
+    transformers = pytest.importorskip("transformers")
+    import transformers.masking_utils as mu
+
+    from tests.checks import assert_trains_like_eager
+
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 128))
+    originals = (mu.is_torchdynamo_exporting, mu.find_packed_sequence_indices)
+
+    def masks(kwargs: dict[str, torch.Tensor]) -> list[bool]:
+        gm = capture(model, (ids,), kwargs).graph_module
+        assert (mu.is_torchdynamo_exporting, mu.find_packed_sequence_indices) == originals
+        sdpa = torch.ops.aten.scaled_dot_product_attention.default  # (q, k, v, attn_mask, ...)
+        return [
+            n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) is not None
+            for n in gm.graph.nodes  # type: ignore[union-attr]
+            if n.target is sdpa
+        ]
+
+    assert masks({}) == [False]
+    assert_trains_like_eager(model, (ids,), {}, steps=2, solver="keep_all")
+    # Positions from the caller may be packed: transformers' traced branch (a mask) stays.
+    assert masks({"position_ids": torch.arange(128).unsqueeze(0)}) == [True]
