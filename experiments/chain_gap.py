@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model, inputs = _gpt2_small() if args.model == "gpt2_small" else _llama(args.layers)
-    name = "gpt2_12x768" if args.model == "gpt2_small" else f"llama_{args.layers}x128"
+    label = "gpt2_12x768" if args.model == "gpt2_small" else f"llama_{args.layers}x128"
     problem = remat.analyze(model, inputs, device_profile="a100").problem
     config = SolverConfig(time_limit_s=args.time_limit)
     keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
@@ -63,7 +63,7 @@ def main() -> None:
     rows = []
     for k in range(args.budgets):
         budget = lo + (keep_all - lo) * k // max(1, args.budgets - 1)
-        row: dict[str, object] = {"model": name, "budget_bytes": budget}
+        row: dict[str, object] = {"model": label, "budget_bytes": budget}
         for name in ("chain", "exact", "megatron", "chen_greedy"):
             t0 = time.perf_counter()
             try:
