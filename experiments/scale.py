@@ -56,6 +56,11 @@ def _run(name: str) -> dict[str, object]:
         "step_peak_gb": plan.predicted_peak_bytes / 1e9,
         "total_gb": (plan.device_memory or {}).get("total", 0) / 1e9,
         "recompute_pct": 100 * sim.recompute_time_s / sim.step_time_s,
+        # The proven floor on recompute (remat.solver.bound): the plan is within
+        # recompute_pct - bound_pct of the optimum, in % of the step.
+        "bound_pct": None
+        if plan.lower_bound_s is None
+        else 100 * plan.lower_bound_s / sim.step_time_s,
     }
     megatron = solve(problem, solver="megatron", budget_bytes=None)
     m_sim = megatron.simulation

@@ -152,7 +152,7 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
                 "the least peak of the heuristics (graph too large for the flat MILP)",
             )
         return _with_reason(
-            best,
+            dataclasses.replace(best, lower_bound_s=_best_bound(fitting)),
             f"auto:{best.solver}",
             f"least recompute time among the plans that fit "
             f"({', '.join(p.solver for p in fitting)}); the flat MILP was skipped: {size} "
@@ -172,18 +172,24 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
             raise BudgetError(budget_bytes, least_peak or 0, f"heuristics only: {e}") from None
         found = best
     names = ", ".join(p.solver for p in fitting) or "none"
+    # A lower bound holds for every plan at this budget: keep the best one proven.
+    bound = _best_bound([*fitting, found])
     if best is not None and best.recompute_time_s <= found.recompute_time_s:
         why = f"{best.reason}; the exact MILP found nothing cheaper ({found.reason})"
-        # A lower bound holds for every plan at this budget: keep the best one proven.
-        bounds = [b for b in (best.lower_bound_s, found.lower_bound_s) if b is not None]
-        found = dataclasses.replace(best, lower_bound_s=max(bounds) if bounds else None)
+        found = best
     else:
         why = found.reason
+    found = dataclasses.replace(found, lower_bound_s=bound)
     return _with_reason(
         found,
         f"auto:{found.solver}",
         f"least recompute time among the plans that fit ({names}) and the exact MILP: {why}",
     )
+
+
+def _best_bound(plans: list[Plan]) -> float | None:
+    bounds = [p.lower_bound_s for p in plans if p.lower_bound_s is not None]
+    return max(bounds) if bounds else None
 
 
 def least_peak(problem: Problem, name: str, config: SolverConfig | None = None) -> int:

@@ -106,6 +106,9 @@ def test_chain_plans_fit_train_bitwise_and_beat_block_checkpointing(skip: bool) 
             # Every block fully checkpointed is one of the chain's options.
             assert plan.recompute_time_s <= block.recompute_time_s + 1e-12
     assert costs[-1] == 0.0
+    # At the least peak the plan carries a proven floor (remat.solver.bound) below its cost.
+    floor = plans[0].lower_bound_s
+    assert floor is not None and 0 < floor <= costs[0]
     assert_trains_like_eager(model, (x,), {}, steps=2, plan=plans[-1])
     assert_trains_like_eager(model, (x,), {}, steps=2, plan=plans[0])
     with pytest.raises(BudgetError):
