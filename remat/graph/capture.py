@@ -318,31 +318,47 @@ def _eager_mask_branch(
     compute the same attention, through kernels that round differently once the sequence spans
     several of the kernel's blocks (a Llama at sequence 128 differed in 67 gradients), so the
     exported step would not be bitwise eager's. remat's graph is specialised to the example
-    inputs' shapes, so the export check is moot; positions are known unpacked when the caller
-    passes none (the model counts them itself) -- when they are passed, transformers' traced
-    branch stays. A padding mask is still seen as traced, so masks built from it are kept."""
+    inputs' shapes, so the export check is moot; positions are known unpacked only when a
+    Hugging Face model is called directly without them (it counts them itself) -- otherwise
+    transformers' traced branch stays. A padding mask is still seen as traced, so masks built
+    from it are kept."""
     mod = sys.modules.get("transformers.masking_utils")
     names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
     if mod is None or not all(hasattr(mod, n) for n in names):
         yield
         return
+    unpacked = _counts_its_own_positions(model, args, kwargs)
     saved = {n: getattr(mod, n) for n in names}
-    mod.is_torchdynamo_exporting = lambda: False  # type: ignore[attr-defined]
-    if _bound(model, args, kwargs).get("position_ids") is None:
-        mod.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[attr-defined]
     try:
+        mod.is_torchdynamo_exporting = lambda: False  # type: ignore[attr-defined]
+        if unpacked:
+            mod.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[attr-defined]
         yield
     finally:
         for n, f in saved.items():
             setattr(mod, n, f)
 
 
-def _bound(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``model.forward``'s arguments by name (empty if its signature does not take them)."""
+def _counts_its_own_positions(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> bool:
+    """A Hugging Face model called directly with no ``position_ids``: it counts positions
+    itself (``arange``), so they are not packed. Anything else (a wrapper, whose positions may
+    be built from document ids, or positions passed in any form) is not known unpacked."""
     try:
-        return dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    if not isinstance(model, PreTrainedModel):
+        return False
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
-        return {}
+        return False
+    extra = bound.get("kwargs")
+    return bound.get("position_ids") is None and not (
+        isinstance(extra, Mapping) and extra.get("position_ids") is not None
+    )
 
 
 def _strip_asserts(gm: torch.fx.GraphModule) -> None:

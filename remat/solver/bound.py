@@ -34,10 +34,10 @@ def backward_start_bound(problem: Problem, budget_bytes: int, config: SolverConf
     values = problem.by_name
     forward = [v for v in problem.values if v.role is Role.FORWARD]
     fwd = {v.name for v in forward}
+    # Live whatever the plan: user outputs and output gradients (each storage counted once).
     held = {s for n in problem.user_outputs for s in values[n].storages}
-    fixed = problem.storages_bytes(held) + problem.storages_bytes(
-        s for v in problem.values if v.role is Role.TANGENT for s in v.storages
-    )
+    held |= {s for v in problem.values if v.role is Role.TANGENT for s in v.storages}
+    fixed = problem.storages_bytes(held)
     if fixed > budget_bytes:
         return None
     scale = objective_scale([v.time_s for v in forward])

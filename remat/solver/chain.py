@@ -49,6 +49,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import pulp
+
 from remat.problem import Problem, Role
 from remat.solver.bound import backward_start_bound
 from remat.solver.compress import compress
@@ -70,7 +72,9 @@ GRID = 4000
 DP_ROUNDS = 24
 """DP solves, each for a smaller budget, until the simulated plan fits."""
 BOUND_S = 10.0
-"""At most this long for the lower bound (:mod:`remat.solver.bound`)."""
+BOUND_SHARE = 0.1
+"""The lower bound (:mod:`remat.solver.bound`) gets this share of the time limit, at most
+``BOUND_S`` seconds."""
 MENU_WINDOW = 2
 """The all-blocks refinement window frees what a block's menu neighbours this far on either
 side disagree on (on a 4-layer Llama, 2 found the flat MILP's best plan; 5 and 10 found the
@@ -183,6 +187,15 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     if best is None:
         raise BudgetError(target, least, "the least peak of the chain solver's uniform plans")
     stitched = best.recompute_time_s
+    bound = None
+    if budget_bytes is not None and best.recompute_time_s > 0:
+        # Cheap at any size (no time index), and any dual bound HiGHS proves in its time is
+        # valid; taken before the refinement, which uses all the time left.
+        share = min(BOUND_S, max(1.0, BOUND_SHARE * config.time_limit_s))
+        with contextlib.suppress(pulp.PulpSolverError):
+            bound = backward_start_bound(
+                problem, budget_bytes, dataclasses.replace(config, time_limit_s=share)
+            )
     best, windows = _refine(
         problem, structure, menus, best, target, config, t0 + config.time_limit_s
     )
@@ -197,14 +210,9 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
             else ""
         )
     )
-    bound = None
-    if budget_bytes is not None and best.recompute_time_s > 0:
-        # Cheap at any size (no time index); any dual bound HiGHS proves in this time is valid.
-        left = t0 + config.time_limit_s - time.perf_counter()
-        bound_config = dataclasses.replace(config, time_limit_s=min(BOUND_S, max(1.0, left)))
-        bound = backward_start_bound(problem, budget_bytes, bound_config)
-        if bound is not None:
-            reason += f", lower bound {bound * 1e3:.4g} ms (where the backward starts)"
+    if bound is not None:
+        bound = min(bound, best.recompute_time_s)  # solver tolerances
+        reason += f", lower bound {bound * 1e3:.4g} ms (where the backward starts)"
     reason += f", {time.perf_counter() - t0:.1f} s"
     return dataclasses.replace(best, solver="chain", reason=reason, lower_bound_s=bound)
 
@@ -262,7 +270,10 @@ def _refine(
             break
         if config.progress:
             config.progress(f"chain: exact MILP on window {solved + 1} of {len(windows)}")
-        window_config = dataclasses.replace(config, time_limit_s=left)
+        # The all-blocks window is the largest: it may not starve the smaller ones after it.
+        window_config = dataclasses.replace(
+            config, time_limit_s=left / 2 if window is all_blocks else left
+        )
         with contextlib.suppress(RuntimeError, BudgetError):
             found = exact(
                 problem,
@@ -293,7 +304,7 @@ def _menu_window(
     option."""
     free: set[str] = set()
     for cls in structure.classes:
-        menu = sorted(menus[cls], key=lambda o: o.time_s)
+        menu = menus[cls]  # cheapest first: of options equally near the block, the cheapest
         positions = set(structure.blocks[cls[0]].forward)
         for k in cls:
             to_block = structure.correspondence(cls[0], k)

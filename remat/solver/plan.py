@@ -29,7 +29,8 @@ class Plan:
     simulation: Simulation
     lower_bound_s: float | None = None
     """A proven lower bound on the least recompute time under the same budget, when the
-    solver has one (the exact MILP: its optimum, or its dual bound when time ran out)."""
+    solver has one (the exact MILP: its optimum, or its dual bound when time ran out; the LP
+    rounding: the LP's; the chain solver: :mod:`remat.solver.bound`'s)."""
     device_memory: Mapping[str, int] | None = None
     """With a whole-device budget (``remat.optimize(..., budget_gb=)``): bytes per device of
     ``parameters``, ``gradient_shards``, ``optimizer_state``, ``reserve``, ``step_peak`` (this

@@ -152,7 +152,7 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
                 "the least peak of the heuristics (graph too large for the flat MILP)",
             )
         return _with_reason(
-            dataclasses.replace(best, lower_bound_s=_best_bound(fitting)),
+            dataclasses.replace(best, lower_bound_s=_max_lower_bound(fitting)),
             f"auto:{best.solver}",
             f"least recompute time among the plans that fit "
             f"({', '.join(p.solver for p in fitting)}); the flat MILP was skipped: {size} "
@@ -173,12 +173,14 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
         found = best
     names = ", ".join(p.solver for p in fitting) or "none"
     # A lower bound holds for every plan at this budget: keep the best one proven.
-    bound = _best_bound([*fitting, found])
+    bound = _max_lower_bound([*fitting, found])
     if best is not None and best.recompute_time_s <= found.recompute_time_s:
         why = f"{best.reason}; the exact MILP found nothing cheaper ({found.reason})"
         found = best
     else:
         why = found.reason
+    if bound is not None:
+        bound = min(bound, found.recompute_time_s)  # solver tolerances
     found = dataclasses.replace(found, lower_bound_s=bound)
     return _with_reason(
         found,
@@ -187,7 +189,7 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
     )
 
 
-def _best_bound(plans: list[Plan]) -> float | None:
+def _max_lower_bound(plans: list[Plan]) -> float | None:
     bounds = [p.lower_bound_s for p in plans if p.lower_bound_s is not None]
     return max(bounds) if bounds else None
 

@@ -159,8 +159,8 @@ def test_hf_causal_mask_takes_eager_branch_so_llama_trains_bitwise() -> None:
     ids = torch.randint(0, 128, (2, 128))
     originals = (mu.is_torchdynamo_exporting, mu.find_packed_sequence_indices)
 
-    def masks(kwargs: dict[str, torch.Tensor]) -> list[bool]:
-        gm = capture(model, (ids,), kwargs).graph_module
+    def masks(kwargs: dict[str, torch.Tensor], m: nn.Module = model) -> list[bool]:
+        gm = capture(m, (ids,), kwargs).graph_module
         assert (mu.is_torchdynamo_exporting, mu.find_packed_sequence_indices) == originals
         sdpa = torch.ops.aten.scaled_dot_product_attention.default  # (q, k, v, attn_mask, ...)
         return [
@@ -171,5 +171,16 @@ def test_hf_causal_mask_takes_eager_branch_so_llama_trains_bitwise() -> None:
 
     assert masks({}) == [False]
     assert_trains_like_eager(model, (ids,), {}, steps=2, solver="keep_all")
-    # Positions from the caller may be packed: transformers' traced branch (a mask) stays.
+    # Positions from the caller may be packed: transformers' traced branch (a mask) stays; so
+    # it does under a wrapper, which may build packed positions itself.
     assert masks({"position_ids": torch.arange(128).unsqueeze(0)}) == [True]
+    assert masks({}, Wrapped(model)) == [True]
+
+
+class Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids).logits

@@ -159,7 +159,7 @@ def test_auto_keeps_the_exact_milps_bound_when_a_start_plan_wins(
     heuristic = solve(prob, solver="auto", budget_bytes=budget)
 
     def timed_out(problem: object, *, budget_bytes: int, config: object, start: object) -> object:
-        return replace(start, reason="exact MILP ran out of time", lower_bound_s=1e-12)  # type: ignore[type-var]
+        return replace(start, reason="exact MILP ran out of time", lower_bound_s=0.0)  # type: ignore[type-var]
 
     def no_lp(*args: object, **kwargs: object) -> object:
         raise RuntimeError("no LP in time")
@@ -167,4 +167,4 @@ def test_auto_keeps_the_exact_milps_bound_when_a_start_plan_wins(
     monkeypatch.setattr(registry, "exact", timed_out)
     monkeypatch.setattr(registry, "lp_rounding", no_lp)
     plan = solve(prob, solver="auto", budget_bytes=budget)
-    assert plan.lower_bound_s == 1e-12 and plan.recompute_time_s == heuristic.recompute_time_s
+    assert plan.lower_bound_s == 0.0 and plan.recompute_time_s == heuristic.recompute_time_s
