@@ -84,13 +84,13 @@ above, it rarely does (GPT-2 small, 821: not in 150 s), while the chain plans it
 
 def _starts(
     problem: Problem, budget_bytes: int | None, config: SolverConfig, size: int
-) -> tuple[list[Plan], int | None, SolverConfig]:
+) -> tuple[list[Plan], int | None, float]:
     """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, the
     chain solver's (blocks and a DP, :mod:`remat.solver.chain`) when the model has repeated
     blocks and more than ``CHAIN_MIN_VALUES``, and the LP rounding's when the LP solves within
     its share of the time limit (on graphs of a few thousand values it does not). ``size`` is
-    :func:`milp_size`. Also returns the least peak seen and the config with the time left for
-    the MILP."""
+    :func:`milp_size`. Also returns the least peak seen and the seconds left for the MILP (<= 0
+    when the time limit is spent)."""
     t0 = time.perf_counter()
     fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
     flat = size <= config.max_milp_values
@@ -101,18 +101,20 @@ def _starts(
         with contextlib.suppress(BudgetError, ValueError):
             fitting.append(chain_solver(problem, budget_bytes=budget_bytes, config=chain_config))
         fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
-    if budget_bytes is not None and flat:
+    if budget_bytes is not None and flat and time.perf_counter() - t0 < config.time_limit_s:
         lp_config = dataclasses.replace(config, time_limit_s=config.time_limit_s * LP_SHARE)
         with contextlib.suppress(BudgetError, RuntimeError):  # no rounding fits, or no time
             fitting.append(lp_rounding(problem, budget_bytes=budget_bytes, config=lp_config))
         fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
-    left = max(1.0, config.time_limit_s - (time.perf_counter() - t0))
-    return fitting, least_peak, dataclasses.replace(config, time_limit_s=left)
+    # May be <= 0: the time limit is spent (model building is not covered by the solvers'
+    # limits: on an 8-layer Llama at 10 s, the chain and the LP took 34 s).
+    return fitting, least_peak, config.time_limit_s - (time.perf_counter() - t0)
 
 
 def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The exact MILP, warm-started from the cheapest heuristic or LP-rounded plan that fits."""
-    fitting, _, left = _starts(problem, budget_bytes, config, milp_size(problem))
+    fitting, _, seconds = _starts(problem, budget_bytes, config, milp_size(problem))
+    left = dataclasses.replace(config, time_limit_s=max(1.0, seconds))
     return exact(
         problem, budget_bytes=budget_bytes, config=left, start=fitting[0] if fitting else None
     )
@@ -142,7 +144,7 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
         plan = keep_all(problem, budget_bytes=None, config=config)
         return _with_reason(plan, "auto", "no budget given: keep everything (no recomputation)")
     size = milp_size(problem)  # compresses the problem: once per call
-    fitting, least_peak, left = _starts(problem, budget_bytes, config, size)
+    fitting, least_peak, seconds = _starts(problem, budget_bytes, config, size)
     best = fitting[0] if fitting else None
     if size > config.max_milp_values:
         if best is None:
@@ -158,6 +160,15 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
             f"({', '.join(p.solver for p in fitting)}); the flat MILP was skipped: {size} "
             f"forward values after compression > max_milp_values={config.max_milp_values}",
         )
+    if best is not None and seconds <= 0:
+        return _with_reason(
+            dataclasses.replace(best, lower_bound_s=_max_lower_bound(fitting)),
+            f"auto:{best.solver}",
+            f"least recompute time among the plans that fit "
+            f"({', '.join(p.solver for p in fitting)}); the time limit was spent before the "
+            "exact MILP could start",
+        )
+    left = dataclasses.replace(config, time_limit_s=max(1.0, seconds))
     try:
         found = exact(problem, budget_bytes=budget_bytes, config=left, start=best)
     except BudgetError as e:

@@ -233,3 +233,36 @@ def test_a_budgeted_model_that_finds_nothing_falls_back_to_the_least_peak_plan(
     assert "least-peak plan fits" in plan.reason and plan.lower_bound_s is None
     with pytest.raises(BudgetError):
         exact(prob, budget_bytes=least - 1, config=CONFIG)
+
+
+def test_a_warm_start_does_not_hide_a_cheaper_plan() -> None:
+    """HiGHS 1.16, warm-started with presolve probing off, reported an optimum worth 1 s but
+    handed back the start's column values, worth 4 s, on this graph (found by hypothesis);
+    remat re-solves without presolve when the values and the objective disagree."""
+    from tests.solver.builders import MiB, external, op, problem
+
+    fw, bw = Role.FORWARD, Role.BACKWARD
+    specs = [
+        external("x", Role.INPUT),
+        external("w"),
+        op("f0", fw, ("x",), flops=1),
+        op("f1", fw, ("x",), flops=1),
+        op("f2", fw, ("f0",), flops=1),
+        op("f3", fw, ("f2",), flops=1),
+        op("f4", fw, ("f3", "f0"), flops=1, random=True),
+        op("t", Role.TANGENT),
+        op("b0", bw, ("t", "f3")),
+        op("b1", bw, ("b0",)),
+        op("b2", bw, ("b1", "f2")),
+        op("b3", bw, ("b2", "f1")),
+        op("b4", bw, ("b3",)),
+    ]
+    prob = dataclasses.replace(problem(specs, ("f4",), ("b4",)), grads_held=True)
+    budget = 5 * MiB
+    start = make_plan(prob, frozenset(), solver="start", reason="")
+    assert start.predicted_peak_bytes <= budget and start.recompute_time_s == 4.0
+    best = optimum(brute_force(prob), budget)
+    assert best == 1.0
+    assert exact(prob, budget_bytes=budget, config=CONFIG, start=start).recompute_time_s == best
+    free = exact(prob, budget_bytes=budget, config=CONFIG, start=start, free=prob.forward_names)
+    assert free.recompute_time_s == best
