@@ -39,6 +39,12 @@ def brute_force(prob: Problem) -> list[tuple[float, int]]:
     return out
 
 
+def exhaustive(prob: Problem, most: int = 9) -> list[tuple[float, int]] | None:
+    """:func:`brute_force`'s results, or None above ``most`` non-random forward values."""
+    free = sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random)
+    return None if free > most else brute_force(prob)
+
+
 def optimum(results: list[tuple[float, int]], budget: int) -> float | None:
     costs = [c for c, peak in results if peak <= budget]
     return min(costs) if costs else None
@@ -64,9 +70,9 @@ def test_layers_match_exhaustive_search_at_every_budget() -> None:
 @given(problems())
 def test_random_dags_match_exhaustive_search(case: tuple[Problem, frozenset[str]]) -> None:
     prob, _ = case
-    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+    results = exhaustive(prob)
+    if results is None:  # too many subsets
         return
-    results = brute_force(prob)
     least = min(peak for _, peak in results)
     assert min_peak(prob, CONFIG).predicted_peak_bytes == least
     for budget in sorted({peak for _, peak in results})[:4]:
@@ -95,9 +101,9 @@ def test_lp_rounding_fits_and_its_bound_is_below_the_optimum(
     case: tuple[Problem, frozenset[str]],
 ) -> None:
     prob, _ = case
-    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+    results = exhaustive(prob)
+    if results is None:  # too many subsets
         return
-    results = brute_force(prob)
     for budget in sorted({peak for _, peak in results})[:4]:
         try:
             plan = lp_rounding(prob, budget_bytes=budget, config=CONFIG)
@@ -118,9 +124,9 @@ def test_checkmate_bounds_the_exact_optimum_from_below(
     case: tuple[Problem, frozenset[str]],
 ) -> None:
     prob, _ = case
-    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+    results = exhaustive(prob)
+    if results is None:  # too many subsets
         return
-    results = brute_force(prob)
     for budget in sorted({peak for _, peak in results})[:3]:
         best = optimum(results, budget)
         assert best is not None
@@ -148,9 +154,9 @@ def test_checkmate_matches_the_exact_optimum_on_a_chain() -> None:
 def test_released_gradients_match_exhaustive_search(case: tuple[Problem, frozenset[str]]) -> None:
     """ZeRO 2-3: each gradient leaves the device as it is produced."""
     prob = dataclasses.replace(case[0], grads_held=False)
-    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+    results = exhaustive(prob)
+    if results is None:  # too many subsets
         return
-    results = brute_force(prob)
     held = brute_force(case[0])
     assert min(p for _, p in results) <= min(p for _, p in held)
     for budget in sorted({peak for _, peak in results})[:3]:
@@ -169,9 +175,9 @@ def test_neighbourhood_solves_stay_within_their_neighbourhood(
     the executor's schedule may still save a fixed value, e.g. rather than recompute a second
     copy of a storage another holder keeps.)"""
     prob, _ = case
-    if sum(1 for v in prob.values if v.role is Role.FORWARD and not v.random) > 9:
+    results = exhaustive(prob)
+    if results is None:  # too many subsets
         return
-    results = brute_force(prob)
     forward = [v.name for v in prob.values if v.role is Role.FORWARD]
     keep_all = solve(prob, solver="keep_all", budget_bytes=None).predicted_peak_bytes
     # Budgets where something must be recomputed (above, the flat solve returns keep-all
