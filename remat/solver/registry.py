@@ -153,21 +153,13 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
                 least_peak or 0,
                 "the least peak of the heuristics (graph too large for the flat MILP)",
             )
-        return _with_reason(
-            dataclasses.replace(best, lower_bound_s=_max_lower_bound(fitting)),
-            f"auto:{best.solver}",
-            f"least recompute time among the plans that fit "
-            f"({', '.join(p.solver for p in fitting)}); the flat MILP was skipped: {size} "
-            f"forward values after compression > max_milp_values={config.max_milp_values}",
+        return _cheapest(
+            fitting,
+            f"the flat MILP was skipped: {size} forward values after compression > "
+            f"max_milp_values={config.max_milp_values}",
         )
-    if best is not None and seconds <= 0:
-        return _with_reason(
-            dataclasses.replace(best, lower_bound_s=_max_lower_bound(fitting)),
-            f"auto:{best.solver}",
-            f"least recompute time among the plans that fit "
-            f"({', '.join(p.solver for p in fitting)}); the time limit was spent before the "
-            "exact MILP could start",
-        )
+    if fitting and seconds <= 0:
+        return _cheapest(fitting, "the time limit was spent before the exact MILP could start")
     left = dataclasses.replace(config, time_limit_s=max(1.0, seconds))
     try:
         found = exact(problem, budget_bytes=budget_bytes, config=left, start=best)
@@ -197,6 +189,17 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
         found,
         f"auto:{found.solver}",
         f"least recompute time among the plans that fit ({names}) and the exact MILP: {why}",
+    )
+
+
+def _cheapest(fitting: list[Plan], why: str) -> Plan:
+    """The cheapest plan that fits (``fitting`` is sorted), with the best bound of them all."""
+    best = fitting[0]
+    return _with_reason(
+        dataclasses.replace(best, lower_bound_s=_max_lower_bound(fitting)),
+        f"auto:{best.solver}",
+        f"least recompute time among the plans that fit "
+        f"({', '.join(p.solver for p in fitting)}); {why}",
     )
 
 
