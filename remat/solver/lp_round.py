@@ -19,7 +19,7 @@ from remat.problem import Problem
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set
-from remat.solver.milp import _backend, _budget_error, _least_plan, _Model
+from remat.solver.milp import BelowFloor, _backend, _budget_error, _least_plan, _Model
 from remat.solver.plan import Plan, make_plan
 
 RANDOM_ROUNDINGS = 16
@@ -41,10 +41,12 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
     t0 = time.perf_counter()
     comp = compress(problem)
     small = comp.problem
-    model = _Model(small, budget_bytes, comp.fold)
-    floor = max([*model.bw_base, *model.fw_base, model.tail_max])
-    if budget_bytes < floor:
-        raise _budget_error(budget_bytes, floor, _least_plan(problem, config, None))
+    deadline = t0 + config.time_limit_s
+    try:  # ModelTimeout (a RuntimeError) if the model takes the whole time limit to build
+        model = _Model(small, budget_bytes, comp.fold, deadline=deadline)
+    except BelowFloor as e:
+        raise _budget_error(budget_bytes, e.floor, _least_plan(problem, config, None)) from None
+    floor = model.floor
     for var in model.lp.variables():
         var.cat = pulp.LpContinuous
     if config.progress:
@@ -59,7 +61,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
             reason="lp_round: no choice to make",
             lower_bound_s=0.0,
         )
-    model.lp.solve(_backend(config, config.time_limit_s, {}))
+    model.lp.solve(_backend(config, max(1.0, deadline - time.perf_counter()), {}))
     if model.lp.status != pulp.LpStatusOptimal:
         status = pulp.LpStatus[model.lp.status]
         hs = getattr(model.lp, "solverModel", None)

@@ -197,6 +197,18 @@ def _cost_bound(model: _Model) -> float | None:
     return bound if math.isfinite(bound) else None
 
 
+class ModelTimeout(RuntimeError):
+    """Building the LP/MILP model took the whole time limit (the solver never started)."""
+
+
+class BelowFloor(Exception):
+    """The budget is below the live bytes every plan has (``floor``): no model is built."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__(f"budget below the plan-independent floor, {floor:,} B")
+        self.floor = floor
+
+
 class _Model:
     """The relaxation (without intra-stage moments) plus whatever cuts are added to it."""
 
@@ -206,8 +218,13 @@ class _Model:
         budget: int | None,
         fold: Mapping[str, str] | None = None,
         fix: Mapping[str, str] | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.problem = problem
+        self.deadline = deadline
+        """``time.perf_counter()`` past which building stops with :class:`ModelTimeout`: on a
+        graph of a few hundred values the model takes longer to build than to solve, and the
+        solvers' own time limits do not cover it."""
         self.fold = dict(fold or {})
         self.fix = dict(fix or {})
         """Forward values fixed as in a start plan (a neighbourhood solve) -> the stage (backward
@@ -257,6 +274,10 @@ class _Model:
 
         self._backward_base(bw, owned_by_fwd)
         self._forward_base()
+        self.floor = max([*self.bw_base, *self.fw_base, self.tail_max])
+        """Live bytes whatever the plan: no budget below it is feasible."""
+        if budget is not None and budget < self.floor:
+            raise BelowFloor(self.floor)  # nothing to build
         self.lp = pulp.LpProblem("remat", pulp.LpMinimize)
         self._build(budget)
 
@@ -368,6 +389,14 @@ class _Model:
             self.fw_base.append(live)
 
     # ----------------------------------------------------------------- model
+    def _tick(self) -> None:
+        """Called for every variable and in the loops that add constraints only."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise ModelTimeout(
+                "the MILP's model was not built within the time limit "
+                f"({self.lp.numVariables():,} variables so far)"
+            )
+
     def _var(
         self,
         name: str,
@@ -375,6 +404,7 @@ class _Model:
         upBound: float | None = None,
         cat: str = "Continuous",  # noqa: N803
     ) -> pulp.LpVariable:
+        self._tick()
         var = self.lp.add_variable(name, lowBound, upBound, cat=cat)
         if cat == "Binary":
             # pulp resets a binary's bounds to [0, 1] whatever it is given: fixing one (a folded
@@ -444,10 +474,12 @@ class _Model:
             if n not in self.fold:
                 lp += self.s[n] + pulp.lpSum(v for _, v in self.R_of[n]) <= 1, f"once_{self.pos[n]}"
         for t, name in enumerate(self.stages):
+            self._tick()
             for u in dict.fromkeys(values[name].inputs):
                 if u in self.pos:
                     lp += avail(u, t) >= 1, f"read_{t}_{self.pos[u]}"
         for (n, t), var in self.R.items():
+            self._tick()
             for u in dict.fromkeys(values[n].inputs):
                 if u in self.pos and self.fold.get(u) != n:  # a folded input shares var
                     lp += avail(u, t) >= var, f"dep_{self.pos[n]}_{t}_{self.pos[u]}"
@@ -483,6 +515,7 @@ class _Model:
         # holder of a storage it allocates (a saved view, a view recomputed earlier, a backward
         # value, the caller's user output) is materialised before t and still in use.
         for o in self.fwd:
+            self._tick()
             for s in values[o].allocates:
                 for t, r in self.R_of[o]:
                     if s in self.user_storages or s in self.pre_hold[t]:
@@ -528,6 +561,7 @@ class _Model:
                         before[t].append((s, nbytes, var))
         self.total_bytes = total + p.storages_bytes(self.user_storages)
         for t in range(T):
+            self._tick()
             lp += (
                 self.bw_base[self.stage_k[t]] + pulp.lpSum(b * v for b, v in at_op[t]) <= M,
                 f"mem_stage_{t}",
@@ -770,11 +804,17 @@ def _solve(
                 for n in problem.forward_names
                 if n not in movable
             }
-    model = _Model(problem, budget_bytes, comp.fold, fix)
-    floor = max([*model.bw_base, *model.fw_base, model.tail_max])
+    try:
+        model = _Model(problem, budget_bytes, comp.fold, fix, deadline)
+    except BelowFloor as e:
+        assert budget_bytes is not None
+        raise _budget_error(budget_bytes, e.floor, _least_plan(original, config, start)) from None
+    except ModelTimeout as e:
+        if start is None or budget_bytes is None:
+            raise
+        return dataclasses.replace(start, reason=f"exact MILP: {e}; kept {start.solver}")
+    floor = model.floor
     what = "least recompute time" if budget_bytes is not None else "least peak"
-    if budget_bytes is not None and budget_bytes < floor:
-        raise _budget_error(budget_bytes, floor, _least_plan(original, config, start))
     if model.budget_var is not None:
         model.budget_var.lowBound = floor
         if start is not None:
@@ -843,7 +883,11 @@ def _solve(
                 what = f"{rounds} round(s), re-solving for the solver's tolerance"
                 return _out_of_time(start, bound, what)
             margin += math.ceil(over) + 1
-            model = _Model(problem, budget_bytes - margin, comp.fold, fix)
+            try:
+                model = _Model(problem, budget_bytes - margin, comp.fold, fix, deadline)
+            except (BelowFloor, ModelTimeout):  # a budget this close to the floor, or no time
+                what = f"{rounds} round(s), re-solving for the solver's tolerance"
+                return _out_of_time(start, None, what)
             fresh = True
             continue
         if not added:

@@ -272,3 +272,31 @@ def test_a_warm_start_does_not_hide_a_cheaper_plan() -> None:
     assert exact(prob, budget_bytes=budget, config=CONFIG, start=start).recompute_time_s == best
     free = exact(prob, budget_bytes=budget, config=CONFIG, start=start, free=prob.forward_names)
     assert free.recompute_time_s == best
+
+
+def test_model_building_stops_at_the_time_limit() -> None:
+    """On a graph of a few hundred values the model takes longer to build than to solve (an
+    8-layer Llama: 180k variables, 10-20 s), and HiGHS's time limit does not cover building:
+    the builder itself stops at the deadline. A limit spent before the first variable makes
+    this deterministic."""
+    prob = _layers(6)
+    keep_all = solve(prob, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    start = solve(prob, solver="chen_greedy", budget_bytes=keep_all - 1)
+    budget = start.predicted_peak_bytes
+    none = SolverConfig(time_limit_s=1e-9)
+    kept = exact(prob, budget_bytes=budget, config=none, start=start)
+    assert kept.saved == start.saved and "not built within the time limit" in kept.reason
+    with pytest.raises(RuntimeError, match="not built within the time limit"):
+        exact(prob, budget_bytes=budget, config=none)
+    with pytest.raises(RuntimeError, match="not built within the time limit"):
+        lp_rounding(prob, budget_bytes=budget, config=none)
+    # auto still returns the best plan it has, and a budget below every plan's floor is still
+    # reported as such (the floor is known before building).
+    auto = solve(prob, solver="auto", budget_bytes=budget, config=none)
+    assert auto.predicted_peak_bytes <= budget
+    with pytest.raises(BudgetError):
+        exact(prob, budget_bytes=1, config=none)
+    # With time, the same solve builds its model and finds a plan at least as cheap.
+    assert exact(prob, budget_bytes=budget, config=CONFIG).recompute_time_s <= (
+        start.recompute_time_s + 1e-12
+    )
