@@ -113,10 +113,10 @@ def _cnn(kind: str, width: int, depth: int, side: int) -> tuple[nn.Module, tuple
 
 MODELS = {
     "gpt": Spec("gpt", functools.partial(_tiny_gpt, 6, 256, 256, 2)),
-    "gpt2_small": Spec("gpt2_small", functools.partial(_hf, "gpt2", 12, 768, 128, 2), hf=True),
+    "gpt2_small": Spec("gpt2_small", functools.partial(_hf, "gpt2", 12, 768, 256, 2), hf=True),
     "gpt2_medium": Spec("gpt2_medium", functools.partial(_hf, "gpt2", 24, 1024, 256, 1), hf=True),
     "llama": Spec("llama", functools.partial(_hf, "llama", 8, 512, 256, 2), hf=True),
-    "bert": Spec("bert", functools.partial(_hf, "bert", 12, 768, 128, 2), hf=True),
+    "bert": Spec("bert", functools.partial(_hf, "bert", 12, 768, 256, 2), hf=True),
     "resnet": Spec("resnet", functools.partial(_cnn, "resnet", 32, 8, 32)),
     "unet": Spec("unet", functools.partial(_cnn, "unet", 16, 3, 64), chain=False),
 }
