@@ -14,9 +14,10 @@ import torch
 
 import remat
 from remat.solver import make_plan
+from remat.solver.backend import backend
 from remat.solver.compress import compress
 from remat.solver.config import SolverConfig
-from remat.solver.milp import _backend, _Model, _start
+from remat.solver.milp import _Model, _start
 from remat.solver.registry import HEURISTICS, solve
 from tests.zoo import ZOO
 
@@ -48,7 +49,7 @@ def test_model_peak_equals_simulated_peak_at_modelled_moments(
             var.lowBound = var.upBound = value
         # Every continuous variable at its least value: each moment's modelled live total.
         model.lp.setObjective(pulp.lpSum(model.lp.variables()))
-        model.lp.solve(_backend(SolverConfig(time_limit_s=60), 60, {}))
+        model.lp.solve(backend(SolverConfig(time_limit_s=60), 60, {}))
         assert pulp.LpStatus[model.lp.status] == "Optimal", name
         peak = float(pulp.value(model.M))
 

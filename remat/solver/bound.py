@@ -23,8 +23,8 @@ import math
 import pulp
 
 from remat.problem import Problem, Role
+from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.config import SolverConfig
-from remat.solver.milp import _backend, _best_bound, objective_scale
 
 
 def backward_start_bound(problem: Problem, budget_bytes: int, config: SolverConfig) -> float | None:
@@ -64,9 +64,9 @@ def backward_start_bound(problem: Problem, budget_bytes: int, config: SolverConf
                 live[s] = lp.add_variable(f"m{len(live)}", 0, 1)
             lp += live[s] >= saved[n]
     lp += pulp.lpSum(problem.storage_bytes[s] * x for s, x in live.items()) <= budget_bytes - fixed
-    lp.solve(_backend(config, max(1.0, config.time_limit_s), {}))
+    lp.solve(backend(config, max(1.0, config.time_limit_s), {}))
     # The dual bound, not the objective: "optimal" means within the solver's relative gap.
-    raw = _best_bound(lp) if pulp.LpStatus[lp.status] != "Infeasible" else None
+    raw = best_bound(lp) if pulp.LpStatus[lp.status] != "Infeasible" else None
     if raw is None or not math.isfinite(raw):
         return None
     return max(0.0, raw) / scale

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import pulp
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role
+from remat.solver.backend import GAP_ABS, GAP_REL, backend, best_bound, objective_scale
 from remat.solver.compress import _core, compress
 from remat.solver.config import SolverConfig
-from remat.solver.milp import GAP_ABS, GAP_REL, _backend, _best_bound, objective_scale
 
 KIB = 1024.0
 """Memory unit of the model (bytes would make the constraint matrix badly scaled)."""
@@ -179,11 +179,11 @@ def checkmate_bound(
     lp += cost
     # pulp stores binaries as integers in [0, 1].
     binaries = sum(1 for v in lp.variables() if v.cat == pulp.LpInteger)
-    lp.solve(_backend(config, config.time_limit_s, {}))
+    lp.solve(backend(config, config.time_limit_s, {}))
     if lp.status == pulp.LpStatusInfeasible:
         # Confirmed without presolve, which once called a feasible model infeasible.
         left = max(1.0, config.time_limit_s - (time.perf_counter() - t0))
-        lp.solve(_backend(config, left, {}, presolve=False))
+        lp.solve(backend(config, left, {}, presolve=False))
     elapsed = time.perf_counter() - t0
     if lp.status == pulp.LpStatusInfeasible:
         return CheckmateBound(float("inf"), None, True, elapsed, binaries)
@@ -193,6 +193,6 @@ def checkmate_bound(
     if optimal:
         bound: float | None = max(0.0, (objective or 0.0) - GAP_ABS / scale) * (1 - GAP_REL)
     else:
-        raw = _best_bound(lp)
+        raw = best_bound(lp)
         bound = max(0.0, raw) / scale if raw is not None and raw == raw else None
     return CheckmateBound(bound, objective, optimal, elapsed, binaries)

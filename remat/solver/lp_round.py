@@ -16,10 +16,11 @@ import time
 import pulp
 
 from remat.problem import Problem
+from remat.solver.backend import backend
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set
-from remat.solver.milp import BelowFloor, _backend, _budget_error, _least_plan, _Model
+from remat.solver.milp import BelowFloor, _budget_error, _least_plan, _Model
 from remat.solver.plan import Plan, make_plan
 
 RANDOM_ROUNDINGS = 16
@@ -61,7 +62,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
             reason="lp_round: no choice to make",
             lower_bound_s=0.0,
         )
-    model.lp.solve(_backend(config, max(1.0, deadline - time.perf_counter()), {}))
+    model.lp.solve(backend(config, max(1.0, deadline - time.perf_counter()), {}))
     if model.lp.status != pulp.LpStatusOptimal:
         status = pulp.LpStatus[model.lp.status]
         hs = getattr(model.lp, "solverModel", None)
