@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -23,6 +24,7 @@ from remat.solver.chain import chain_solver
 from remat.solver.chen import chen_greedy, chen_sqrt
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.descent import descend
 from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact
 from remat.solver.plan import Plan
@@ -49,9 +51,11 @@ HEURISTICS: Mapping[str, SolverFn] = {
 
 def _heuristic_plans(
     problem: Problem, budget_bytes: int | None, config: SolverConfig
-) -> tuple[list[Plan], int | None]:
-    """Every heuristic's plan that fits, and the least peak any of them reached."""
+) -> tuple[list[Plan], list[Plan], int | None]:
+    """Every heuristic's plan that fits, those that do not (starts for :func:`descend`), and
+    the least peak any of them reached."""
     fitting: list[Plan] = []
+    over: list[Plan] = []
     least_peak: int | None = None
     for name, fn in HEURISTICS.items():
         if config.progress:
@@ -64,17 +68,49 @@ def _heuristic_plans(
             continue
         else:
             peak = plan.predicted_peak_bytes
-            if budget_bytes is None or peak <= budget_bytes:
-                fitting.append(plan)
+            (fitting if budget_bytes is None or peak <= budget_bytes else over).append(plan)
         least_peak = peak if least_peak is None else min(least_peak, peak)
-    fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
-    return fitting, least_peak
+    fitting.sort(key=_by_cost)
+    over.sort(key=_by_cost)
+    return fitting, over, least_peak
+
+
+def _by_cost(plan: Plan) -> tuple[float, int, str]:
+    return plan.recompute_time_s, plan.predicted_peak_bytes, plan.solver
+
+
+def _descents(
+    problem: Problem,
+    over: list[Plan],
+    fitting: list[Plan],
+    budget_bytes: int,
+    seconds: float,
+    config: SolverConfig,
+) -> list[Plan]:
+    """:func:`descend`, within ``seconds``, from the ``DESCENT_STARTS`` plans over the budget
+    nearest to it among those cheaper than every plan that fits (a start far above the budget
+    would take many steps: keep_all is the cheapest plan over every budget)."""
+    deadline = time.perf_counter() + seconds
+    cheapest = fitting[0].recompute_time_s if fitting else math.inf
+    starts = {p.saved: p for p in over if p.recompute_time_s < cheapest}.values()
+    found = []
+    for start in sorted(starts, key=lambda p: p.predicted_peak_bytes)[:DESCENT_STARTS]:
+        if config.progress:
+            config.progress(f"peak descent from {start.solver}'s plan")
+        plan = descend(problem, start, budget_bytes=budget_bytes, deadline=deadline)
+        if plan is not None:
+            found.append(plan)
+    return found
 
 
 LP_SHARE = 1 / 3
 """Share of the time limit the LP rounding may take before the exact MILP starts."""
 CHAIN_SHARE = 1 / 3
 """Share of the time limit the chain solver may take."""
+DESCENT_SHARE = 0.1
+"""Share of the time limit the peak descents (:mod:`remat.solver.descent`) may take."""
+DESCENT_STARTS = 2
+"""Plans over the budget a descent starts from (the cheapest ones)."""
 CHAIN_MIN_VALUES = 300
 """``auto`` runs the chain solver above this many compressed forward values: below, the flat
 MILP proves optimality in seconds to minutes (a 4-layer Llama, 255 values: ~20 s per budget);
@@ -87,12 +123,13 @@ def _starts(
 ) -> tuple[list[Plan], int | None, float]:
     """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, the
     chain solver's (blocks and a DP, :mod:`remat.solver.chain`) when the model has repeated
-    blocks and more than ``CHAIN_MIN_VALUES``, and the LP rounding's when the LP solves within
+    blocks and more than ``CHAIN_MIN_VALUES``, peak descents (:mod:`remat.solver.descent`)
+    from the cheapest heuristic plans over the budget, and the LP rounding's when the LP solves within
     its share of the time limit (on graphs of a few thousand values it does not). ``size`` is
     :func:`milp_size`. Also returns the least peak seen and the seconds left for the MILP (<= 0
     when the time limit is spent)."""
     t0 = time.perf_counter()
-    fitting, least_peak = _heuristic_plans(problem, budget_bytes, config)
+    fitting, over, least_peak = _heuristic_plans(problem, budget_bytes, config)
     flat = size <= config.max_milp_values
     done = bool(fitting) and fitting[0].recompute_time_s == 0
     if budget_bytes is not None and size > CHAIN_MIN_VALUES and not done:
@@ -100,7 +137,11 @@ def _starts(
         # No repeated blocks (ValueError), or no chain plan fits (BudgetError).
         with contextlib.suppress(BudgetError, ValueError):
             fitting.append(chain_solver(problem, budget_bytes=budget_bytes, config=chain_config))
-        fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
+        fitting.sort(key=_by_cost)
+    if budget_bytes is not None and over:
+        seconds = config.time_limit_s * DESCENT_SHARE
+        fitting = sorted([*fitting, *_descents(problem, over, fitting, budget_bytes, seconds, config)],
+                         key=_by_cost)  # fmt: skip
     left = config.time_limit_s - (time.perf_counter() - t0)
     if budget_bytes is not None and flat and left > 0:
         share = min(left, config.time_limit_s * LP_SHARE)
@@ -108,7 +149,7 @@ def _starts(
         # No rounding fits, or no time (to build the model, or to solve it).
         with contextlib.suppress(BudgetError, RuntimeError):
             fitting.append(lp_rounding(problem, budget_bytes=budget_bytes, config=lp_config))
-        fitting.sort(key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes, p.solver))
+        fitting.sort(key=_by_cost)
     # May be <= 0: the solvers stop building their models at their limits, but HiGHS takes
     # at least a second, and the heuristics and the chain's simulations are not interrupted.
     return fitting, least_peak, config.time_limit_s - (time.perf_counter() - t0)
