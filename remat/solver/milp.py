@@ -260,7 +260,7 @@ class _Model:
         """Called for every variable and in the loops that add constraints only."""
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise ModelTimeout(
-                "the MILP's model was not built within the time limit "
+                "the LP/MILP model was not built within the time limit "
                 f"({self.lp.numVariables():,} variables so far)"
             )
 
