@@ -33,6 +33,7 @@ import copy
 import csv
 import dataclasses
 import functools
+import gc
 import subprocess
 import sys
 import time
@@ -179,45 +180,44 @@ class Planner:
             "recompute_flops": plan.recompute_flops,
             "step_flops": self.ref.flops + plan.recompute_flops,
             "solve_s": round(solve_s, 3), "equal": r.equal, "differing": r.differing,
-            "reason": plan.reason, "_step": functools.partial(peers.step, fast, self.args),
+            "reason": plan.reason, "_make_step": functools.partial(self.step, plan),
         }  # fmt: skip
+
+    def step(self, plan: Plan) -> Callable[[], Any]:
+        """A fresh module for ``plan`` and its step (built when timing needs it: a model copy
+        with gradients held per row did not fit in memory for GPT-2 medium)."""
+        return functools.partial(peers.step, self.module(plan), self.args)
+
+
+StepMaker = Callable[[], Callable[[], Any]]
+"""Builds a row's module (a model copy) and returns its step: called when timing the row, so
+that one copy at a time is alive besides eager's."""
+
+
+def _eager_step(make: Callable[[nn.Module], nn.Module], model: nn.Module,
+                args: tuple[Any, ...]) -> Callable[[], Any]:  # fmt: skip
+    return functools.partial(peers.step, make(model), args)
 
 
 def peer_rows(spec: Spec, model: nn.Module, args: tuple[Any, ...], ref: peers.Reference,
-              quick: bool) -> list[tuple[peers.Row, Callable[[], Any]]]:  # fmt: skip
-    """Each peer's row and a step function for timing it."""
-    out: list[tuple[peers.Row, Callable[[], Any]]] = []
-    eager = copy.deepcopy(model)
-    out.append((peers.eager_row(model, args, ref), functools.partial(peers.step, eager, args)))
+              quick: bool) -> list[tuple[peers.Row, StepMaker]]:  # fmt: skip
+    """Each peer's row and what builds its step for timing."""
+    out: list[tuple[peers.Row, StepMaker]] = []
+    out.append(
+        (peers.eager_row(model, args, ref),
+         functools.partial(_eager_step, copy.deepcopy, model, args))
+    )  # fmt: skip
     for b in QUICK_TORCH_BUDGETS if quick else TORCH_BUDGETS:
         row = peers.memory_budget_peer(model, args, b, ref)
-        out.append((row, functools.partial(_timed_budget_step, model, args, b)))
+        out.append((row, functools.partial(peers.memory_budget_step, model, args, b)))
     if spec.hf:
-        m = peers.hf_checkpointed(model)
-        out.append(
-            (peers.hf_checkpoint_peer(model, args, ref), functools.partial(peers.step, m, args))
-        )
+        make = functools.partial(_eager_step, peers.hf_checkpointed, model, args)
+        out.append((peers.hf_checkpoint_peer(model, args, ref), make))
     for group in (1, "sqrt") if spec.chain else (1,):
-        m = peers.block_checkpointed(model, group)
-        out.append(
-            (
-                peers.block_checkpoint_peer(model, args, ref, group),
-                functools.partial(peers.step, m, args),
-            )
-        )
+        wrap = functools.partial(peers.block_checkpointed, group=group)
+        make = functools.partial(_eager_step, wrap, model, args)
+        out.append((peers.block_checkpoint_peer(model, args, ref, group), make))
     return out
-
-
-_BUDGET_STEPS: dict[tuple[int, float], Callable[[], Any]] = {}
-
-
-def _timed_budget_step(model: nn.Module, args: tuple[Any, ...], budget: float) -> Any:
-    """Compiled lazily (and once) when timing asks for it: Dynamo is reset per budget, so the
-    timing loop compiles each budget's module before the interleaved rounds."""
-    key = (id(model), budget)
-    if key not in _BUDGET_STEPS:
-        _BUDGET_STEPS[key] = peers.memory_budget_step(model, args, budget)
-    return _BUDGET_STEPS[key]()
 
 
 def run_model(spec: Spec, n_budgets: int, reps: int, time_limit: float, solver: str,
@@ -227,25 +227,25 @@ def run_model(spec: Spec, n_budgets: int, reps: int, time_limit: float, solver: 
     ref = peers.eager_reference(model, args)
     planner = Planner(model, args, ref, SolverConfig(time_limit_s=time_limit), solver)
     rows: list[dict[str, Any]] = []
-    steps: dict[int, Callable[[], Any]] = {}
-    for row, fn in peer_rows(spec, model, args, ref, quick):
+    steps: dict[int, StepMaker] = {}
+    for row, make in peer_rows(spec, model, args, ref, quick):
         d = {"model": spec.name, "kind": "peer", "method": row.peer, "setting": row.setting,
              **{k: v for k, v in dataclasses.asdict(row).items() if k in COLUMNS}}  # fmt: skip
         d["step_flops"] = None
-        steps[len(rows)] = fn
+        steps[len(rows)] = make
         rows.append(d)
         if row.peer != "eager":
             matched = planner.row(spec.name, "matched", row.peak_bytes, f"{row.peer} {row.setting}")
-            if "_step" in matched:
-                steps[len(rows)] = matched.pop("_step")
+            if "_make_step" in matched:
+                steps[len(rows)] = matched.pop("_make_step")
             rows.append(matched)
     keep_all = solve(planner.problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
     lo = least_peak(planner.problem, planner.solver, planner.config)
     for k in range(n_budgets):
         budget = lo + (keep_all - lo) * k // max(1, n_budgets - 1)
         swept = planner.row(spec.name, "sweep", budget, f"{k + 1}/{n_budgets}")
-        if "_step" in swept:
-            steps[len(rows)] = swept.pop("_step")
+        if "_make_step" in swept:
+            steps[len(rows)] = swept.pop("_make_step")
         rows.append(swept)
     if reps > 0:
         _time(rows, steps, reps)
@@ -253,15 +253,18 @@ def run_model(spec: Spec, n_budgets: int, reps: int, time_limit: float, solver: 
     return rows
 
 
-def _time(rows: list[dict[str, Any]], steps: dict[int, Callable[[], Any]], reps: int) -> None:
-    """Step time / eager for every row with a step, eager interleaved with each in turn."""
-    eager = steps[0]
-    for i, fn in steps.items():
+def _time(rows: list[dict[str, Any]], steps: dict[int, StepMaker], reps: int) -> None:
+    """Step time / eager for every row with a step, eager interleaved with each in turn; each
+    row's module is built for its turn and dropped after it."""
+    eager = steps[0]()
+    for i, make in steps.items():
         if i:
+            fn = make()
             rows[i]["time_ratio"] = round(peers.time_ratio({"eager": eager, "x": fn}, reps)["x"], 3)
+            del fn
+            peers.tc.dynamo_reset()  # a partitioner row's compiled graphs
+            gc.collect()
     rows[0]["time_ratio"] = 1.0
-    peers.tc.dynamo_reset()
-    _BUDGET_STEPS.clear()
 
 
 def _show(console: Console, model: str, rows: list[dict[str, Any]]) -> None:
