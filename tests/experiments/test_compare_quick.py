@@ -6,19 +6,25 @@ from __future__ import annotations
 import csv
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 EXPERIMENTS = Path(__file__).parents[2] / "experiments"
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+def _compare() -> ModuleType:
     sys.path.insert(0, str(EXPERIMENTS))
     try:
         import compare
     finally:
         sys.path.remove(str(EXPERIMENTS))
+    return compare
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    compare = _compare()
 
     out = tmp_path_factory.mktemp("compare") / "quick.csv"
     compare.main(["--quick", "--out", str(out)])
@@ -60,3 +66,16 @@ def test_eager_checkpointing_is_bitwise_and_saves_memory(rows: list[dict[str, st
     for r in checked:
         assert r["equal"] == "True", r
         assert int(r["peak_bytes"]) < eager[r["model"]], r
+
+
+def test_timing_gives_every_measured_row_a_ratio(tmp_path: Path) -> None:
+    """The timing pass builds each row's module for its turn (none is kept between rows): every
+    row that ran gets a step-time ratio to eager. Ratios are not asserted (wall clock)."""
+    compare = _compare()
+
+    rows = compare.main(
+        ["--quick", "--models", "gpt", "--reps", "1", "--out", str(tmp_path / "t.csv")]
+    )
+    measured = [r for r in rows if r.get("peak_bytes")]
+    assert len(measured) >= 8
+    assert all(isinstance(r.get("time_ratio"), float) and r["time_ratio"] > 0 for r in measured)
