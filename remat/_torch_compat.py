@@ -73,10 +73,19 @@ def boxed_codegen() -> torch.fx.graph.CodeGen:
     return _BoxedCodeGen()
 
 
-def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    """(time ns, bytes) of every allocation (+) and free (-) the profiler recorded, in order."""
+def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
+    """(time ns, bytes, address) of every allocation (+) and free (-) the profiler recorded,
+    in order. The address matters: the profiler also records the free of a block allocated
+    outside the profiled region when an earlier profiled region allocated that address."""
     results: Any = prof.profiler.kineto_results  # type: ignore[union-attr]
-    return sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
+    out = []
+    stack = list(results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == torch._C._profiler._EventType.Allocation:
+            out.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
+    return sorted(out, key=lambda t: t[0])
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -69,15 +69,26 @@ class LiveMemoryMeter(TorchDispatchMode):
 def allocator_peak_bytes(step: Callable[[], Any]) -> int:
     """Peak of the CPU allocator during ``step()`` (sees kernel scratch memory too).
 
-    Sums the profiler's ``[memory]`` events in order; the live-storage meter's peak is a lower
-    bound of this one, and the gap is what a reserve must cover.
+    Sums the profiler's allocation events in order, counting a free only if its block was
+    allocated inside ``step()``: the profiler also reports frees of blocks allocated before
+    (the previous step's gradients, freed as this one starts) whenever their address was
+    allocated during an earlier profiled step, which lowered this peak by up to 31% depending
+    on where malloc placed them. The live-storage meter's peak is then a lower bound of this
+    one, and the gap is what a reserve must cover.
     """
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         step()
     live = peak = 0
-    for _, nbytes in tc.allocator_events(prof):
+    mine: set[int] = set()
+    for _, nbytes, address in tc.allocator_events(prof):
+        if nbytes >= 0:
+            mine.add(address)
+        elif address in mine:
+            mine.discard(address)
+        else:
+            continue  # allocated before step()
         live += nbytes
         peak = max(peak, live)
     return peak

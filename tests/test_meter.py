@@ -66,3 +66,21 @@ def test_compiled_code_runs_compiled_under_the_meter() -> None:
         torch._dynamo.reset()
     assert calls == [1]
     assert meter.peak_bytes >= 64 * 4
+
+
+def test_allocator_peak_ignores_frees_of_blocks_allocated_before_the_step() -> None:
+    """The profiler reports the free of a block allocated before the profiled step when an
+    earlier profiled region allocated it (a training step frees the previous step's gradients
+    as it starts): such a free must not lower the step's peak."""
+    held: dict[str, torch.Tensor] = {}
+
+    def allocate() -> None:
+        held["old"] = torch.empty(1 << 20)
+
+    allocator_peak_bytes(allocate)  # "old" is allocated inside a profiled region
+
+    def step() -> torch.Tensor:
+        del held["old"]
+        return torch.ones(1 << 18)
+
+    assert allocator_peak_bytes(step) == 4 * (1 << 18)
