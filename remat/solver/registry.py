@@ -110,7 +110,7 @@ CHAIN_SHARE = 1 / 3
 DESCENT_SHARE = 0.1
 """Share of the time limit the peak descents (:mod:`remat.solver.descent`) may take."""
 DESCENT_STARTS = 2
-"""Plans over the budget a descent starts from (the cheapest ones)."""
+"""Plans over the budget a descent starts from (the nearest to it, see :func:`_descents`)."""
 CHAIN_MIN_VALUES = 300
 """``auto`` runs the chain solver above this many compressed forward values: below, the flat
 MILP proves optimality in seconds to minutes (a 4-layer Llama, 255 values: ~20 s per budget);
