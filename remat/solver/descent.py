@@ -15,6 +15,7 @@ and cost are exact; the descent is greedy, not optimal.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from remat.problem import Problem, Role
@@ -78,9 +79,8 @@ def descend(
             return None
         plan = best[1]
     steps = len(start.saved - plan.saved)
-    return make_plan(
-        problem,
-        plan.saved,
+    return dataclasses.replace(  # already simulated: only named
+        plan,
         solver=f"descent({start.solver})",
         reason=f"{start.solver}'s plan ({start.predicted_peak_bytes:,} B) with {steps} more "
         f"value(s) recomputed until it fit (greedy peak descent)",

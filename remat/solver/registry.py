@@ -124,7 +124,7 @@ def _starts(
     """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, the
     chain solver's (blocks and a DP, :mod:`remat.solver.chain`) when the model has repeated
     blocks and more than ``CHAIN_MIN_VALUES``, peak descents (:mod:`remat.solver.descent`)
-    from the cheapest heuristic plans over the budget, and the LP rounding's when the LP solves within
+    from the heuristic plans just over the budget, and the LP rounding's when the LP solves within
     its share of the time limit (on graphs of a few thousand values it does not). ``size`` is
     :func:`milp_size`. Also returns the least peak seen and the seconds left for the MILP (<= 0
     when the time limit is spent)."""
