@@ -3,6 +3,9 @@
 fast = remat.optimize(model, example_inputs, budget_gb=40)   # the whole device
 loss_fn(fast(*batch)).backward()   # same gradients as model, the plan's memory peak
 print(fast.plan.summary())
+
+remat.apply(model, example_inputs, budget_gb=40)   # or: SAC policies on model's own blocks
+print(remat.plan_of(model).summary())              # then fully_shard / DDP, then compile
 """
 
 from remat._torch_compat import fake_mode
@@ -11,6 +14,9 @@ from remat.budget import DeviceBudgetError, StaticMemoryError
 from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
+from remat.native.api import apply, plan_of, unapply
+from remat.native.regions import BlockError
+from remat.native.trace import TraceError
 from remat.pipeline import Analysis, BudgetError, analyze
 from remat.planfile import PlanFileError
 from remat.problem import Problem
@@ -22,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Analysis",
+    "BlockError",
     "BudgetError",
     "CaptureError",
     "DeviceBudgetError",
@@ -32,9 +39,13 @@ __all__ = [
     "Problem",
     "RematModule",
     "StaticMemoryError",
+    "TraceError",
     "analyze",
+    "apply",
     "explain",
     "fake_mode",
     "measure_step",
     "optimize",
+    "plan_of",
+    "unapply",
 ]

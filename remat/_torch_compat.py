@@ -24,10 +24,10 @@ from torch._functorch._aot_autograd.descriptors import (
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.graph import _BoxedCodeGen
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
+    "DATA_DEPENDENT_ERRORS",
     "BufferAOTInput",
     "FakeTensor",
     "FakeTensorMode",
@@ -40,11 +40,17 @@ __all__ = [
     "activation_memory_budget",
     "allocator_events",
     "boxed_codegen",
+    "compile_caches_off",
     "dynamo_reset",
     "export_joint",
+    "inductor_config",
+    "inductor_recording",
+    "fake_copy",
+    "fake_mode_of",
     "flop_registry",
     "is_fake",
     "min_cut_backend",
+    "no_dispatch_modes",
     "op_arguments",
     "sdpa_backward_flop_count",
     "sdpa_flop_count",
@@ -90,11 +96,19 @@ def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]
 
 def storage_key(tensor: torch.Tensor) -> int:
     """A key equal for two tensors iff they share a storage (valid while the storage lives)."""
-    return int(StorageWeakRef(tensor.untyped_storage()).cdata)
+    return int(tensor.untyped_storage()._cdata)
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
+
+
+def fake_mode_of(module: torch.nn.Module) -> FakeTensorMode | None:
+    """The FakeTensorMode ``module``'s parameters were made under, if they are fake."""
+    for t in module.parameters():
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
 
 
 @contextlib.contextmanager
@@ -102,6 +116,31 @@ def fake_mode() -> Iterator[FakeTensorMode]:
     """A FakeTensorMode under which models of any size can be built and planned."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
+
+
+DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+)
+"""What FakeTensorMode raises on an op whose output depends on tensor values."""
+
+
+def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    """No TorchDispatchMode (SAC's, a meter's, FakeTensorMode) sees the ops run within."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()  # type: ignore[no-any-return]
+
+
+def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are FakeTensors of ``mode``
+    (shapes, dtypes and aliasing kept; no data copied)."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeCopyMode
+
+    with FakeCopyMode(mode):
+        return copy.deepcopy(module)
 
 
 wrap_with_autocast = torch.ops.higher_order.wrap_with_autocast
@@ -145,6 +184,43 @@ def min_cut_backend(on_forward: Any, on_backward: Any) -> Any:
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )
+
+
+def inductor_recording(on_graph: Any) -> Any:
+    """A ``torch.compile`` backend that is Inductor, calling ``on_graph(gm, is_backward)``
+    with each partitioned graph before Inductor compiles it (what the compiled backward
+    recomputes can be read from its graph). A graph found in AOTAutograd's cache is not
+    partitioned again, so nothing is reported: see :func:`compile_caches_off`."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        on_graph(gm, bool(kwargs.get("is_backward")))
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    return backend
+
+
+@contextlib.contextmanager
+def compile_caches_off() -> Iterator[None]:
+    """No compiled graph is taken from AOTAutograd's or Inductor's on-disk caches."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor
+
+    with (
+        functorch_config.patch(enable_autograd_cache=False),
+        inductor.patch(fx_graph_cache=False),
+    ):
+        yield
+
+
+def inductor_config(**settings: Any) -> contextlib.AbstractContextManager[None]:
+    """``torch._inductor.config`` patched within the context."""
+    import torch._inductor.config as inductor
+
+    return inductor.patch(**settings)  # type: ignore[no-any-return]
 
 
 def op_arguments(op: torch._ops.OpOverload) -> list[Any]:

@@ -44,6 +44,7 @@ from remat.plots import pareto_plot, timeline_plot
 from remat.presets import PRESETS, build, parse_settings
 from remat.problem import Problem
 from remat.report import explain_plan
+from remat.rewrite.module import RematModule
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
 from remat.solver.plan import Plan
@@ -113,9 +114,10 @@ def demo(args: argparse.Namespace) -> int:
             result = verify(model, (tokens,), steps=args.steps, **opts)  # type: ignore[arg-type]
             elapsed = time.perf_counter() - t0
         if name == "block":
-            block_peak = result.module.plan.predicted_peak_bytes
-        plan = result.module.plan
+            block_peak = result.plan.predicted_peak_bytes
+        plan = result.plan
         plans[name] = plan
+        assert isinstance(result.module, RematModule)
         problem = result.module._first.problem
         step = result.steps[-1]
         alloc = allocator_peak_bytes(partial(_step_without_grads, result.module, tokens))

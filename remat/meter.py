@@ -46,14 +46,13 @@ class LiveMemoryMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            tc.storage_key(t)
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
+        self._count(_leaf_tensors((args, kwargs)), _leaf_tensors(out))
+        return out
+
+    def _count(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Account the storages ``outs`` create (those not among ``ins``' or known)."""
+        inputs = {tc.storage_key(t) for t in ins}
+        for t in outs:
             key = tc.storage_key(t)
             if key in self._tracked or key in inputs:
                 continue  # already counted, or a view of a storage that existed before
@@ -63,7 +62,10 @@ class LiveMemoryMeter(TorchDispatchMode):
             self.live_bytes += nbytes
             weakref.finalize(storage, self._free, key, nbytes)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return out
+
+
+def _leaf_tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def allocator_peak_bytes(step: Callable[[], Any]) -> int:
@@ -112,16 +114,20 @@ def training_step(
     *,
     seed: int = 0,
     autocast: torch.dtype | None = None,
+    on_backward: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Forward, then backward with dense random output gradients (as a loss such as
     cross-entropy produces), drawn from their own generator so the global random stream is
     untouched. The outputs stay alive until the backward has run, as in a training loop.
     Gradients accumulate into ``.grad``. ``autocast``: run the forward (not the backward, as
-    PyTorch recommends) under ``torch.autocast`` with this dtype."""
+    PyTorch recommends) under ``torch.autocast`` with this dtype. ``on_backward`` is called
+    between the forward and the output gradients (tracers mark the phase with it)."""
     gen = torch.Generator().manual_seed(seed)
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
         out = output_tensors(module(*args, **(kwargs or {})))
+    if on_backward is not None:
+        on_backward()
     diff = [t for t in out if t.requires_grad]
     tangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in diff]
     torch.autograd.backward(diff, tangents)

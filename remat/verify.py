@@ -18,8 +18,9 @@ from torch import nn
 
 from remat.api import _as_args, optimize
 from remat.meter import measure_step
+from remat.native.api import apply, plan_of
 from remat.pipeline import AUTOCAST
-from remat.rewrite.module import RematModule
+from remat.solver.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,10 @@ class StepCheck:
 
 @dataclass(frozen=True)
 class Verification:
-    module: RematModule
+    module: nn.Module
+    """The remat module (:func:`remat.optimize`), or the model wrapped in place
+    (:func:`remat.apply`, ``native=True``)."""
+    plan: Plan
     steps: tuple[StepCheck, ...]
 
     @property
@@ -79,12 +83,15 @@ def verify(
     example_kwargs: Mapping[str, Any] | None = None,
     steps: int = 3,
     lr: float = 1e-2,
+    native: bool = False,
     **optimize_kwargs: Any,
 ) -> Verification:
     """Optimize a copy of ``model`` and train it beside another copy with AdamW for ``steps``.
 
     ``model`` itself is not touched. Output gradients are dense and random (as a loss such as
-    cross-entropy would give), drawn from their own generator.
+    cross-entropy would give), drawn from their own generator. ``native``: the copy is
+    prepared with :func:`remat.apply` (its own blocks under SAC policies) instead of
+    :func:`remat.optimize`.
     """
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
@@ -92,7 +99,15 @@ def verify(
     # carries the casts in its graphs.
     autocast = AUTOCAST[optimize_kwargs.get("precision", "fp32")]
     ref, work = copy.deepcopy(model), copy.deepcopy(model)
-    fast = optimize(work, args, example_kwargs=kwargs, **optimize_kwargs)
+    fast: nn.Module
+    if native:
+        fast = apply(work, args, example_kwargs=kwargs, **optimize_kwargs)
+        plan = plan_of(fast)
+        fast_autocast = autocast  # the user's own forward, run as the reference's
+    else:
+        fast = optimize(work, args, example_kwargs=kwargs, **optimize_kwargs)
+        plan = fast.plan
+        fast_autocast = None
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
     opt_fast = torch.optim.AdamW(fast.parameters(), lr=lr)
     checks = []
@@ -102,14 +117,14 @@ def verify(
         torch.manual_seed(1000 + step)
         eager = measure_step(ref, args, kwargs, seed=step, autocast=autocast)
         torch.manual_seed(1000 + step)
-        measured = measure_step(fast, args, kwargs, seed=step)
+        measured = measure_step(fast, args, kwargs, seed=step, autocast=fast_autocast)
         bad = compare(ref, fast, eager.outputs, measured.outputs, step)
         opt_ref.step()
         opt_fast.step()
         checks.append(
             StepCheck(
                 step,
-                fast.plan.predicted_peak_bytes,
+                plan.predicted_peak_bytes,
                 measured.peak_bytes,
                 eager.peak_bytes,
                 tuple(bad),
@@ -130,4 +145,4 @@ def verify(
             last.eager_peak_bytes,
             last.mismatches + tuple(final),
         )
-    return Verification(fast, tuple(checks))
+    return Verification(fast, plan, tuple(checks))

@@ -9,6 +9,7 @@ from torch import nn
 import remat
 from remat.budget import Options, StaticMemoryError, device_budget, static_memory
 from remat.models import TinyGPT
+from remat.rewrite.module import RematModule
 from tests.checks import assert_peak_close
 
 P = 1_000_000  # trainable parameters of the hand computations below
@@ -152,6 +153,7 @@ def test_mixed_precision_trains_bitwise_without_dropout_and_keeps_module_paths()
         result = assert_trains_like_eager(
             model, (x,), {}, steps=2, plan=plan, precision="bf16-mixed"
         )
+    assert isinstance(result.module, RematModule)
     problem = result.module._first.problem
     assert any(v.op == "aten._to_copy.default" for v in problem.values)  # the casts are there
     paths = {v.module_path for v in problem.values if v.role.value == "forward"}

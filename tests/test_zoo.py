@@ -18,7 +18,7 @@ from tests.zoo import ZOO, Case
 def test_plan_trains_bitwise_and_peak_is_predicted(case: Case, plan: str) -> None:
     torch.manual_seed(0)
     result = assert_trains_like_eager(case.build(), case.inputs(), case.kwargs, plan=plan)
-    assert result.module.plan.solver == plan
+    assert result.plan.solver == plan
 
 
 LIMIT = 10.0  # seconds per exact MILP solve: the warm start keeps a plan if time runs out
@@ -36,7 +36,7 @@ def test_solver_trains_bitwise_and_peak_is_predicted(case: Case, solver: str) ->
     result = assert_trains_like_eager(
         case.build(), case.inputs(), case.kwargs, steps=2, solver=solver
     )
-    assert result.module.plan.solver == solver
+    assert result.plan.solver == solver
 
 
 @pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
@@ -60,9 +60,9 @@ def test_auto_between_least_and_keep_all(case: Case) -> None:
             activation_budget_bytes=budget,
             time_limit_s=LIMIT,
         )
-        assert result.module.plan.predicted_peak_bytes <= budget
-        if "optimal" in result.module.plan.reason:  # time-limited plans need not be monotone
-            costs.append(result.module.plan.recompute_time_s)
+        assert result.plan.predicted_peak_bytes <= budget
+        if "optimal" in result.plan.reason:  # time-limited plans need not be monotone
+            costs.append(result.plan.recompute_time_s)
     assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"
 
 
@@ -108,7 +108,7 @@ def test_optimizing_solvers_at_five_budgets(case: Case, solver: str) -> None:
             # Rounding may not reach the least peak the exact MILP proves; never above it.
             assert solver == "lp_round" and k < 4, e
             continue
-        plan = result.module.plan
+        plan = result.plan
         assert plan.predicted_peak_bytes <= budget
         if plan.lower_bound_s is not None:
             assert plan.lower_bound_s <= plan.recompute_time_s + 1e-12

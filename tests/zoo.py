@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.models import TinyGPT
+from remat.models import ResNet, TinyGPT
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,80 @@ ZOO: tuple[Case, ...] = (
     Case("tuple_out", TwoHeads, _vectors(32)),
     Case("tied", TiedAutoencoder, _vectors(48)),
 )
+
+
+def _mixtral() -> nn.Module:
+    """A Mixtral-style MoE decoder: top-2 routing over 4 experts, grouped-query attention."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        max_position_embeddings=128,
+        attention_dropout=0.1,
+    )
+    return MixtralForCausalLM(cfg)
+
+
+def _gpt2_native() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=128)
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama_gqa() -> nn.Module:
+    """Grouped-query attention (2 key/value heads for 4 query heads), attention dropout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=128,
+        attention_dropout=0.1,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _bert_native() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=128,
+    )
+    return BertForMaskedLM(cfg)
+
+
+NATIVE_ZOO: tuple[Case, ...] = (
+    Case(
+        "tiny_gpt",
+        lambda: TinyGPT(vocab=128, dim=64, heads=4, layers=3, seq=128),
+        _tokens(128, batch=4, seq=128),
+    ),
+    Case("hf_gpt2", _gpt2_native, _tokens(128, batch=4, seq=128)),
+    Case("hf_llama_gqa", _llama_gqa, _tokens(128, batch=4, seq=128)),
+    Case("hf_bert", _bert_native, _tokens(128, batch=4, seq=128)),
+    Case("hf_mixtral_moe", _mixtral, _tokens(128, batch=4, seq=128)),
+    Case(
+        "resnet_bn",
+        lambda: ResNet(channels=8, blocks=3),
+        lambda: (torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3)),),
+    ),
+)
+"""Models ``remat.apply`` is tested on: shapes where activations, not parameter gradients,
+set the peak (sequence 128, batch 4), with GQA and MoE decoders and BatchNorm."""

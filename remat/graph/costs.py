@@ -49,13 +49,34 @@ def _vals(args: Any) -> Any:
 def node_flops(node: torch.fx.Node) -> int:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
-    packet = node.target.overloadpacket
-    args, kwargs = _vals(node.args), _vals(node.kwargs)
+    return op_flops(node.target, _vals(node.args), _vals(node.kwargs), node.meta.get("val"))
+
+
+def op_flops(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one call of ``op`` (tensors or FakeTensors as arguments and output)."""
+    packet = op.overloadpacket
     if packet in EXTRA_FLOPS:
         return EXTRA_FLOPS[packet](*args, **kwargs)
     if packet in tc.flop_registry:
-        return int(tc.flop_registry[packet](*args, out_val=node.meta.get("val"), **kwargs))
+        return int(tc.flop_registry[packet](*args, out_val=out, **kwargs))
     return 0
+
+
+def op_time(
+    op: torch._ops.OpOverload,
+    args: Any,
+    kwargs: Any,
+    out: Any,
+    profile: DeviceProfile,
+    tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+) -> tuple[int, float]:
+    """(FLOPs, estimated seconds) of one call of ``op`` on ``profile``'s device.
+    ``tensors``: the tensor leaves of the arguments and of the output, when already at hand."""
+    flops = op_flops(op, args, kwargs, out)
+    ins, outs = tensors if tensors is not None else (_tensors((args, kwargs)), _tensors(out))
+    moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
+    dtype = str(outs[0].dtype).removeprefix("torch.") if outs else "float32"
+    return flops, profile.op_time(flops, moved, dtype)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

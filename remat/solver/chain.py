@@ -91,7 +91,10 @@ class Option:
 
 
 @dataclass(frozen=True)
-class _Costs:
+class ChainCosts:
+    """Per-block quantities of one option applied to every block (module docstring, step 3).
+    Any executor's measured timeline can fill them: the native path's does too."""
+
     keep: list[int]
     fw_base: list[int]
     bw_base: list[int]
@@ -146,7 +149,7 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     step = max(1, target // GRID)
     tried: set[tuple[int, ...]] = set()
     for _ in range(DP_ROUNDS):
-        found = _dp(costs, dp_budget, len(blocks))
+        found = chain_dp(costs, dp_budget, len(blocks))
         if found is None:
             break
         key = tuple(found)
@@ -476,7 +479,9 @@ def _menu(
     return sorted(seen.values(), key=lambda o: (o.time_s, -len(o.saved)))
 
 
-def _costs(problem: Problem, structure: Structure, saved: Sequence[str], sim: Simulation) -> _Costs:
+def _costs(
+    problem: Problem, structure: Structure, saved: Sequence[str], sim: Simulation
+) -> ChainCosts:
     """Per-block quantities of a uniform plan (see the module docstring, step 3)."""
     values = problem.by_name
     blocks = structure.blocks
@@ -522,7 +527,7 @@ def _costs(problem: Problem, structure: Structure, saved: Sequence[str], sim: Si
             bw_peak[current] = max(bw_peak[current], step.allocated_bytes)
     rec = {s.name for s in sim.timeline if s.recompute}
     time_s = [sum(values[n].time_s for n in (*b.forward,) if n in rec) for b in blocks]
-    return _Costs(
+    return ChainCosts(
         keep=keep,
         fw_base=[fw_peak[k] - prefix[k] for k in range(len(blocks))],
         bw_base=[bw_peak[k] - prefix[k] for k in range(len(blocks))],
@@ -532,8 +537,11 @@ def _costs(problem: Problem, structure: Structure, saved: Sequence[str], sim: Si
     )
 
 
-def _dp(costs: list[_Costs], budget: int, n_blocks: int) -> list[int] | None:
-    """Least total time choice per block under the additive model, or None if none fits."""
+def chain_dp(costs: list[ChainCosts], budget: int, n_blocks: int) -> list[int] | None:
+    """Least total time choice per block under the additive model, or None if none fits.
+
+    ``costs[o]`` are the per-block quantities of option ``o``; the choice is one option index
+    per block."""
     if max(c.head for c in costs) > budget:
         return None
     unit = max(1, math.ceil(budget / GRID))

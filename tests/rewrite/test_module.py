@@ -125,7 +125,7 @@ def test_recomputation_measures_well_below_keep_all_on_the_gpt_stack() -> None:
         step = result.steps[0]
         assert_peak_close(step.predicted_peak_bytes, step.measured_peak_bytes, name)
         measured[name] = step.measured_peak_bytes
-        saved[name] = result.module.plan.saved_bytes
+        saved[name] = result.plan.saved_bytes
     # Checkpointing each block (inputs kept, internals recomputed block by block) cuts the peak.
     assert measured["block"] < 0.6 * measured["keep_all"], measured
     # keep_inputs hands almost nothing to the backward, but the recompute-once executor then

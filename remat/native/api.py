@@ -1,0 +1,237 @@
+"""``remat.apply``: a plan run by PyTorch's own selective checkpointing, on the user's blocks.
+
+Where :func:`remat.optimize` returns a module of its own, ``apply`` wraps the model's blocks *in
+place* (as ``fully_shard`` and torchtitan's ``apply_ac`` do) and returns the same object, so the
+stack a user trains with -- FSDP2, DDP, ``torch.compile``, the Hugging Face Trainer, PEFT --
+wraps it as usual. The recipe: ``remat.apply`` first, then ``fully_shard`` (or DDP), then
+``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._torch_compat import is_fake
+from remat.api import _as_args, _device_budget
+from remat.budget import DEFAULT_RESERVE, DeviceBudgetError, Options
+from remat.graph.profiles import DeviceProfile, auto_profile_name, get_profile
+from remat.native import planner, regions
+from remat.native.regions import BlockError, Policy
+from remat.native.trace import FakeModel, TraceError
+from remat.pipeline import AUTOCAST
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Plan
+
+_STATE = "_remat_native"
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What ``remat.apply`` left on a model: its plan and the policy of each block."""
+
+    plan: Plan
+    blocks: tuple[str, ...]
+    policies: tuple[Policy, ...]
+    timings: Mapping[str, float]
+    """Seconds spent tracing the eager step and solving (tracing every candidate)."""
+    use_cache: bool | None = None
+    """The model's ``config.use_cache`` before ``apply`` turned it off."""
+
+
+def apply(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    budget_gb: float | None = None,
+    budget_bytes: int | None = None,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    zero_stage: int = 0,
+    world_size: int = 1,
+    reserve_fraction: float = DEFAULT_RESERVE,
+    activation_budget_bytes: int | None = None,
+    plan: str | None = None,
+    solver: str | None = None,
+    device_profile: str | DeviceProfile = "auto",
+    time_limit_s: float = 60.0,
+    block_types: tuple[str, ...] = (),
+    progress: Callable[[str], None] | None = None,
+) -> nn.Module:
+    """Plan a selective-checkpoint policy per block of ``model`` and wrap the blocks **in
+    place**; returns ``model`` itself.
+
+    Each block's ``forward`` then runs through ``torch.utils.checkpoint`` (non-reentrant) with
+    a policy that keeps some ops' outputs and recomputes the rest in the backward (dropout
+    replays its random state: gradients are bitwise those of the unwrapped model). Parameters,
+    buffers and ``state_dict`` keys are untouched; :func:`unapply` restores the blocks.
+    Code outside the blocks (embeddings, head, loss) runs eagerly. A Hugging Face model's KV
+    cache is turned off (``config.use_cache = False``, as ``gradient_checkpointing_enable()``
+    does; ``unapply`` restores it).
+
+    Budget options are those of :func:`remat.optimize` (``budget_gb`` / ``budget_bytes`` for
+    the whole device with ``optimizer``, ``precision``, ``zero_stage``, ``world_size``,
+    ``reserve_fraction``; or ``activation_budget_bytes`` for the step alone). ``plan``: a
+    fixed plan, ``keep_all`` (no checkpoint), ``keep_matmuls`` (each block keeps its matmul
+    and attention outputs) or ``block`` (each block recomputed whole). ``solver``: ``auto``.
+    ``block_types``: class names or path patterns of the blocks (default: the children of the
+    largest ModuleList).
+
+    Every plan's peak is measured by running the step, wrapped as it will train, on a
+    FakeTensor copy of the model (no memory, any size), under the live-storage meter that
+    measures real steps: ``remat.plan_of(model).predicted_peak_bytes``.
+
+    Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
+    refused after them), and only once (:func:`unapply` first to re-plan).
+    """
+    _check_unwrapped(model)
+    if plan is not None and (solver is not None or activation_budget_bytes is not None):
+        raise ValueError("pass either plan= or solver=/activation_budget_bytes=, not both")
+    if solver not in (None, "auto"):
+        raise ValueError(f"unknown native solver {solver!r}; valid: auto")
+    if precision not in AUTOCAST:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
+    args = _as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    options = Options(
+        optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
+    )
+    device = _device_budget(model, budget_gb, budget_bytes, options, reserve_fraction)
+    if device is not None and activation_budget_bytes is not None:
+        raise ValueError("pass a device budget (budget_gb/budget_bytes) or activation_budget_bytes")
+    step_budget = device.step_budget_bytes if device is not None else activation_budget_bytes
+    if isinstance(device_profile, str) and device_profile == "auto":
+        first = next(iter(model.parameters()), None)
+        device_profile = auto_profile_name(first.device if first is not None else _CPU)
+    profile = get_profile(device_profile)
+    config = SolverConfig(
+        time_limit_s=time_limit_s, block_types=tuple(block_types), progress=progress
+    )
+
+    t0 = time.perf_counter()
+    blocks = regions.find_blocks(model, tuple(block_types))
+    use_cache = _disable_kv_cache(model)
+    autocast = AUTOCAST[precision]
+    fake = FakeModel(model, blocks)
+    try:
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+    except TraceError as e:
+        if not _real_fallback(model):
+            raise
+        if progress:
+            progress(f"tracing on a real copy of the model: {e}")
+        fake = FakeModel(model, blocks, real=True)
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+
+    def tracer(policies: Any) -> Any:
+        return fake.trace(args, kwargs, policies, profile=profile, autocast=autocast)
+
+    t1 = time.perf_counter()
+    try:
+        if plan is not None:
+            solution = planner.fixed(problem, plan, tracer)
+            if step_budget is not None and solution.trace.peak_bytes > step_budget:
+                raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
+        else:
+            solution = planner.solve(problem, tracer, budget_bytes=step_budget, config=config)
+    except BudgetError as e:
+        if device is None:
+            raise
+        raise DeviceBudgetError(device, e) from None
+    chosen = planner.to_plan(problem, solution)
+    if device is not None:
+        chosen = replace(chosen, device_memory=device.breakdown(chosen))
+    t2 = time.perf_counter()
+
+    modules = dict(model.named_modules())
+    for path, policy in zip(blocks, solution.policies, strict=True):
+        regions.wrap(modules[path], path, policy)
+    model.__dict__[_STATE] = Applied(
+        chosen, blocks, solution.policies, {"trace": t1 - t0, "solve": t2 - t1}, use_cache
+    )
+    return model
+
+
+def _real_fallback(model: nn.Module) -> bool:
+    """Whether a step that cannot run on FakeTensors may be traced on a real copy: only for
+    a model on the CPU (a copy there is cheap next to what it plans; on an accelerator it
+    would take the device memory the plan is for)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(t.device.type == "cpu" and not is_fake(t) for t in tensors)
+
+
+def _disable_kv_cache(model: nn.Module) -> bool | None:
+    """Turn a Hugging Face model's KV cache off (``config.use_cache``), as
+    ``gradient_checkpointing_enable()`` does in training: a cache updated inside a block
+    would make the recomputation differ from the forward. Returns the previous setting."""
+    config = getattr(model, "config", None)
+    previous = getattr(config, "use_cache", None)
+    if previous:
+        config.use_cache = False  # type: ignore[union-attr]
+    return previous if isinstance(previous, bool) else None
+
+
+_CPU = torch.device("cpu")
+
+
+def applied(model: nn.Module) -> Applied:
+    """What :func:`apply` left on ``model`` (its plan and the block policies)."""
+    state = _find_state(model)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no remat plan: call remat.apply first")
+    return state
+
+
+def plan_of(model: nn.Module) -> Plan:
+    """The plan :func:`apply` applied to ``model`` (also through DDP or compile wrappers)."""
+    return applied(model).plan
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: every block runs its own forward again. Returns ``model``."""
+    if _STATE not in model.__dict__:
+        raise ValueError(f"{type(model).__name__} has no remat plan to remove")
+    for m, _ in list(regions.iter_regions(model)):
+        regions.unwrap(m)
+    state = model.__dict__.pop(_STATE)
+    if state.use_cache is not None:
+        model.config.use_cache = state.use_cache  # type: ignore[union-attr]
+    return model
+
+
+def _find_state(model: nn.Module) -> Applied | None:
+    for m in model.modules():
+        state = m.__dict__.get(_STATE)
+        if isinstance(state, Applied):
+            return state
+    return None
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    name = type(model).__name__
+    if _find_state(model) is not None or any(True for _ in regions.iter_regions(model)):
+        raise BlockError(
+            f"{name} already has a remat plan: call remat.unapply(model) before applying again"
+        )
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise BlockError(
+            f"{name} is compiled: apply remat to the model first, then torch.compile it"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise BlockError(
+            f"{name} is already wrapped by DistributedDataParallel: apply remat to the model "
+            "first (remat.apply(model, ...)), then wrap it with DDP"
+        )
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise BlockError(
+            f"{name} is already sharded with fully_shard: apply remat first "
+            "(remat.apply(model, ...)), then fully_shard each block and the root, then compile"
+        )

@@ -1,0 +1,360 @@
+"""Choosing a SAC policy per block under a byte budget, every candidate measured exactly.
+
+1. **Streams.** One traced step with every block eager gives each block's forward op stream
+   as its policy will see it (:mod:`remat.native.trace`); blocks with the same stream form a
+   class and share their menu, by ``(op, k)`` key.
+2. **Menus.** Per class, policies from keeping everything (the block runs eagerly: no
+   checkpoint) to keeping nothing (the whole block recomputed, as Hugging Face's
+   ``gradient_checkpointing_enable()``): in between, SAC policies that keep the ops with the
+   most recompute time per byte first, cut where they cover a share of the block's recompute
+   time, plus the matmul/attention outputs alone (torchtitan's selective-op policy).
+3. **Costs in context.** Each option is applied to every block and the step traced; per block:
+   the bytes it holds from its forward to its backward, its forward and backward peaks above
+   what the earlier blocks hold, and its recompute time. These are
+   :class:`remat.solver.chain.ChainCosts`, and the chain solver's DP
+   (:func:`remat.solver.chain.chain_dp`) picks one option per block under the budget.
+4. **The trace has the last word.** The stitched choice is traced; when its peak is over the
+   budget (the additive model is an approximation where blocks meet), the DP runs again for a
+   budget smaller by the excess. Candidates found for smaller budgets on a fixed grid between
+   the least and the keep-all peaks are kept too, so a larger budget never costs more.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat.graph.profiles import DeviceProfile
+from remat.native.regions import OpKey, Policy
+from remat.native.trace import FakeModel, OpEvent, StepTrace
+from remat.solver.chain import ChainCosts, chain_dp
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Plan
+from remat.solver.schedule import Schedule
+from remat.solver.simulate import Simulation, TimelineStep
+
+COVERAGE = (0.99, 0.95, 0.8, 0.5)
+"""Shares of a block's recompute time the intermediate menu options keep."""
+GRID_POINTS = 6
+"""Budgets between the least and the keep-all peaks the DP is also solved at."""
+DP_ROUNDS = 12
+"""DP solves per budget, each for a smaller budget, until the traced plan fits."""
+
+NATIVE_PLANS = ("keep_all", "keep_matmuls", "block")
+"""Fixed native plans: every block eager; every block keeping its matmul and attention
+outputs (torchtitan's selective-op policy); every block recomputed whole."""
+
+
+@dataclass(frozen=True)
+class NativeProblem:
+    """A model's blocks, their classes and the op streams their policies see."""
+
+    blocks: tuple[str, ...]
+    classes: tuple[tuple[int, ...], ...]
+    """Indices of blocks with identical forward streams."""
+    streams: Mapping[int, tuple[OpEvent, ...]]
+    """Per class (by its first block), that block's keyed forward ops."""
+    baseline: StepTrace
+    """The step with every block eager."""
+
+    def class_of(self, block: int) -> int:
+        return next(c[0] for c in self.classes if block in c)
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    policy: Policy
+
+
+def analyze(
+    fake: FakeModel,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    *,
+    profile: DeviceProfile,
+    autocast: torch.dtype | None,
+) -> NativeProblem:
+    baseline = fake.trace(
+        args, kwargs, [None] * len(fake.blocks), profile=profile, autocast=autocast
+    )
+    groups: dict[tuple[object, ...], list[int]] = {}
+    streams: dict[int, tuple[OpEvent, ...]] = {}
+    for k in range(len(fake.blocks)):
+        stream = baseline.forward_stream(k)
+        sig = tuple((e.key, e.new_bytes, e.savable) for e in stream)
+        groups.setdefault(sig, []).append(k)
+        streams.setdefault(groups[sig][0], stream)
+    return NativeProblem(fake.blocks, tuple(tuple(g) for g in groups.values()), streams, baseline)
+
+
+def menu(stream: Sequence[OpEvent]) -> list[Option]:
+    """Options of one class, from keeping everything to keeping nothing (see the docstring)."""
+    forced = required_keys(stream)
+    savable = [e for e in stream if e.savable and e.key is not None and e.key not in forced]
+    total = sum(e.time_s for e in savable)
+    ranked = sorted(savable, key=lambda e: (-e.time_s / max(e.new_bytes, 1), e.new_bytes))
+    options = [Option("eager", None)]
+    seen: set[frozenset[OpKey]] = set()
+
+    def add(name: str, keys: frozenset[OpKey]) -> None:
+        keys |= forced
+        if keys not in seen:
+            seen.add(keys)
+            options.append(Option(name, keys))
+
+    add("keep all savable", frozenset(e.key for e in savable if e.key is not None))
+    for share in COVERAGE:
+        kept: list[OpKey] = []
+        covered = 0.0
+        for e in ranked:
+            if covered >= share * total:
+                break
+            assert e.key is not None
+            kept.append(e.key)
+            covered += e.time_s
+        add(f"keep {share:.1%} of recompute time", frozenset(kept))
+    add("keep matmuls", matmul_keys(stream))
+    add("recompute all", frozenset())
+    return options
+
+
+def matmul_keys(stream: Sequence[OpEvent]) -> frozenset[OpKey]:
+    """Savable ops with FLOPs in PyTorch's registry (matmuls, convolutions, attention), and
+    the ops every policy keeps."""
+    keys = frozenset(e.key for e in stream if e.savable and e.flops > 0 and e.key is not None)
+    return keys | required_keys(stream)
+
+
+def required_keys(stream: Sequence[OpEvent]) -> frozenset[OpKey]:
+    """Ops every policy keeps: in-place writes to state the block does not own (BatchNorm's
+    running statistics), which a recomputation would apply twice."""
+    return frozenset(e.key for e in stream if e.writes_outside and e.key is not None)
+
+
+def costs(trace: StepTrace) -> ChainCosts:
+    """Per-block quantities of a traced step (see :class:`remat.solver.chain.ChainCosts`)."""
+    n = len(trace.blocks)
+    keep = [end - start for start, end in trace.forward_live]
+    prefix = [0]
+    for kept in keep:
+        prefix.append(prefix[-1] + kept)
+    fw_peak = [0] * n
+    bw_peak = [0] * n
+    time_s = [0.0] * n
+    head = tail = 0
+    seen_block = False
+    for e in trace.events:
+        if e.phase == "forward" and e.block < 0:
+            if seen_block:
+                tail = max(tail, e.allocated_bytes - prefix[-1])
+            else:
+                head = max(head, e.allocated_bytes)
+        elif e.phase == "forward":
+            seen_block = True
+            fw_peak[e.block] = max(fw_peak[e.block], e.allocated_bytes)
+        elif e.block < 0:
+            tail = max(tail, e.allocated_bytes - prefix[-1])
+        else:
+            bw_peak[e.block] = max(bw_peak[e.block], e.allocated_bytes)
+        if e.recompute:
+            time_s[e.block] += e.time_s
+    return ChainCosts(
+        keep=keep,
+        fw_base=[fw_peak[k] - prefix[k] for k in range(n)],
+        bw_base=[bw_peak[k] - prefix[k] for k in range(n)],
+        tail_base=tail,
+        head=head,
+        time_s=time_s,
+    )
+
+
+@dataclass(frozen=True)
+class Solution:
+    policies: tuple[Policy, ...]
+    trace: StepTrace
+    solver: str
+    reason: str
+
+
+Tracer = Callable[[Sequence[Policy]], StepTrace]
+
+
+def fixed(problem: NativeProblem, name: str, tracer: Tracer) -> Solution:
+    """One of :data:`NATIVE_PLANS`."""
+    if name not in NATIVE_PLANS:
+        raise ValueError(f"unknown native plan {name!r}; valid: {', '.join(NATIVE_PLANS)}")
+    policies: list[Policy] = []
+    for k in range(len(problem.blocks)):
+        if name == "keep_all":
+            policies.append(None)
+        elif name == "block":
+            policies.append(required_keys(problem.streams[problem.class_of(k)]))
+        else:
+            policies.append(matmul_keys(problem.streams[problem.class_of(k)]))
+    reasons = {
+        "keep_all": "every block runs eagerly (no checkpoint)",
+        "keep_matmuls": "every block keeps its matmul and attention outputs",
+        "block": "every block recomputed whole (gradient_checkpointing_enable())",
+    }
+    return Solution(tuple(policies), tracer(policies), name, reasons[name])
+
+
+def solve(
+    problem: NativeProblem,
+    tracer: Tracer,
+    *,
+    budget_bytes: int | None,
+    config: SolverConfig,
+) -> Solution:
+    """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring)."""
+    if budget_bytes is None:
+        return fixed(problem, "keep_all", tracer)
+    t0 = time.perf_counter()
+    deadline = t0 + config.time_limit_s
+    n = len(problem.blocks)
+    menus = {c[0]: menu(problem.streams[c[0]]) for c in problem.classes}
+    options_of = [menus[problem.class_of(k)] for k in range(n)]
+    n_opts = max(len(m) for m in menus.values())
+    progress = config.progress or (lambda _: None)
+    progress(f"native: {n} blocks, {len(menus)} class(es), {n_opts} options; tracing each")
+
+    found: dict[tuple[int, ...], StepTrace] = {}
+
+    def policies(choice: Sequence[int]) -> list[Policy]:
+        return [options_of[k][min(o, len(options_of[k]) - 1)].policy for k, o in enumerate(choice)]
+
+    def run(choice: Sequence[int]) -> StepTrace:
+        key = tuple(min(o, len(options_of[k]) - 1) for k, o in enumerate(choice))
+        if key not in found:
+            found[key] = tracer(policies(key))
+        return found[key]
+
+    uniform = [run([o] * n) for o in range(n_opts)]
+    table = [costs(t) for t in uniform]
+    least = min(t.peak_bytes for t in uniform)
+    most = max(t.peak_bytes for t in uniform)
+    grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
+    for target in [g for g in grid if g < budget_bytes] + [budget_bytes]:
+        if time.perf_counter() > deadline:
+            progress("native: time limit reached; keeping the plans traced so far")
+            break
+        _fit(table, target, n, run)
+    fitting = [(c, t) for c, t in found.items() if t.peak_bytes <= budget_bytes]
+    if not fitting:
+        raise BudgetError(budget_bytes, min(t.peak_bytes for t in found.values()), "native SAC")
+    choice, trace = min(fitting, key=lambda ct: (ct[1].recompute_time_s, ct[1].peak_bytes))
+    names = [options_of[k][o].name for k, o in enumerate(choice)]
+    summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
+    reason = (
+        f"chain DP over {n} blocks ({n_opts} options per class, {len(found)} plans traced "
+        f"on FakeTensors): {summary}; {time.perf_counter() - t0:.1f} s"
+    )
+    return Solution(tuple(policies(choice)), trace, "auto", reason)
+
+
+def _fit(
+    table: list[ChainCosts], target: int, n: int, run: Callable[[Sequence[int]], StepTrace]
+) -> None:
+    """DP for ``target``, tracing each choice and asking for less until one fits."""
+    dp_budget = target
+    step = max(1, target // 4000)
+    tried: set[tuple[int, ...]] = set()
+    for _ in range(DP_ROUNDS):
+        choice = chain_dp(table, dp_budget, n)
+        if choice is None:
+            return
+        key = tuple(choice)
+        if key in tried:
+            dp_budget -= step
+            step *= 2
+            continue
+        tried.add(key)
+        over = run(choice).peak_bytes - target
+        if over <= 0:
+            return
+        dp_budget -= over
+
+
+def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
+    """The solution as a :class:`remat.Plan` (the type the whole-graph path returns): saved
+    values are ``path:op#k`` keys (``path:eager`` for a block without checkpoint), the
+    schedule and timeline are the traced step's."""
+    trace = solution.trace
+    saved: list[str] = []
+    decisions: dict[str, str] = {}
+    for k, (path, policy) in enumerate(zip(problem.blocks, solution.policies, strict=True)):
+        if policy is None:
+            saved.append(f"{path}:eager")
+            decisions[f"{path}:eager"] = "no checkpoint: autograd keeps what it saves"
+            continue
+        for e in problem.streams[problem.class_of(k)]:
+            if not e.savable or e.key is None:
+                continue
+            name = f"{path}:{e.key[0]}#{e.key[1]}"
+            if e.key in policy:
+                saved.append(name)
+                decisions[name] = f"saved (MUST_SAVE): {_fmt(e.new_bytes)} kept"
+            else:
+                decisions[name] = "recomputed in the backward (PREFER_RECOMPUTE)"
+    names = [_event_name(problem, e) for e in trace.events]
+    timeline = tuple(
+        TimelineStep(e.phase, name, e.allocated_bytes, e.allocated_bytes, e.recompute)
+        for e, name in zip(trace.events, names, strict=True)
+    )
+    peak = trace.peak_event
+    fwd = [k for k, e in enumerate(trace.events) if e.phase == "forward"]
+    bwd = [k for k, e in enumerate(trace.events) if e.phase != "forward"]
+    held = sum(end - start for start, end in trace.forward_live)
+    simulation = Simulation(
+        timeline=timeline,
+        peak_bytes=trace.peak_bytes,
+        peak_step=f"{trace.events[peak].phase}:{names[peak]}",
+        saved_bytes=held,
+        recompute_flops=trace.recompute_flops,
+        recompute_time_s=trace.recompute_time_s,
+        forward_time_s=sum(trace.events[k].time_s for k in fwd),
+        backward_time_s=sum(trace.events[k].time_s for k in bwd),
+    )
+    schedule = Schedule(
+        forward=tuple(names[k] for k in fwd),
+        saved=tuple(saved),
+        external_reads=(),
+        backward=tuple(names[k] for k in bwd),
+        recomputed=tuple(n for n, e in zip(names, trace.events, strict=True) if e.recompute),
+    )
+    return Plan(
+        saved=frozenset(saved),
+        solver=f"native:{solution.solver}",
+        reason=solution.reason,
+        decisions=decisions,
+        schedule=schedule,
+        simulation=simulation,
+    )
+
+
+def _event_name(problem: NativeProblem, e: OpEvent) -> str:
+    where = problem.blocks[e.block] if e.block >= 0 else "outside"
+    return f"{where}:{e.op}" + (f"#{e.key[1]}" if e.key else "")
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+__all__ = [
+    "NATIVE_PLANS",
+    "NativeProblem",
+    "Option",
+    "Solution",
+    "analyze",
+    "costs",
+    "fixed",
+    "menu",
+    "solve",
+    "to_plan",
+]

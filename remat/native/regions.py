@@ -1,0 +1,235 @@
+"""Checkpoint regions on the user's own modules: which blocks, and how a policy runs them.
+
+A *region* is one block of the model (a decoder layer, say) whose ``forward`` runs through
+PyTorch's non-reentrant checkpoint with a selective-checkpoint (SAC) policy. The policy is data:
+the set of ``(op, k)`` keys -- the k-th call of an ATen overload inside the region's forward, as
+the SAC dispatch mode counts them -- whose outputs are kept (``MUST_SAVE``); every other op is
+recomputed in the backward. ``None`` runs the block as plain eager code (no checkpoint: autograd
+keeps what it keeps).
+
+The block is wrapped in place by giving the module object an instance ``forward`` (as
+``fully_shard`` changes a module's class in place): its parameters, buffers, hooks and
+``state_dict`` keys stay exactly as they were, and FSDP2, DDP, ``torch.compile`` and Hugging
+Face wrap it as usual. The checkpoint runs *inside* whatever wraps the block later, which is
+the order torchtitan uses (checkpoint, then compile, then shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from remat import _torch_compat as tc
+
+OpKey = tuple[str, int]
+"""``(ATen overload name, call index within the region's forward)``."""
+
+Policy = frozenset[OpKey] | None
+"""The ops a region keeps; ``None``: the block runs eagerly, without a checkpoint."""
+
+_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+
+
+class BlockError(ValueError):
+    """No blocks to checkpoint, or blocks that cannot be wrapped."""
+
+
+def find_blocks(model: nn.Module, block_types: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Paths of the blocks to wrap, in module order.
+
+    With ``block_types`` (class names such as ``LlamaDecoderLayer``, or path patterns such as
+    ``layers.*``): the outermost modules that match. Without: the children of the ModuleList
+    with the most children (at least two), as the ``block`` baseline and the chain solver of
+    the whole-graph path do.
+    """
+    modules = dict(model.named_modules())
+    if block_types:
+        chosen = [
+            path
+            for path, m in modules.items()
+            if path and _matches(path, type(m).__name__, block_types)
+        ]
+        outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen)]
+        if not outermost:
+            raise BlockError(
+                f"no module of {type(model).__name__} matches block_types={block_types!r} "
+                "(class names such as 'LlamaDecoderLayer' or path patterns such as 'layers.*')"
+            )
+        return tuple(outermost)
+    lists = Counter(
+        m.group(1)
+        for path in modules
+        if (m := _INDEXED.match(path)) and isinstance(modules.get(m.group(1)), nn.ModuleList)
+    )
+    if not lists or max(lists.values()) < 2:
+        raise BlockError(
+            f"{type(model).__name__} has no repeated blocks (no ModuleList with two or more "
+            "children): name the modules to checkpoint with block_types=(class names or path "
+            "patterns, e.g. block_types=('DecoderLayer',) or ('layers.*',))"
+        )
+    prefix, _ = max(lists.items(), key=lambda kv: (kv[1], -len(kv[0])))
+    return tuple(p for p in modules if (m := _INDEXED.match(p)) and m.group(1) == prefix)
+
+
+def _matches(path: str, cls: str, patterns: tuple[str, ...]) -> bool:
+    return any(cls == p or fnmatch.fnmatchcase(path, p) for p in patterns)
+
+
+@dataclass
+class Region:
+    """What remat attached to one block: its path and the policy it runs with."""
+
+    path: str
+    policy: Policy
+
+
+_ATTR = "_remat_region"
+
+
+def region_of(module: nn.Module) -> Region | None:
+    region = module.__dict__.get(_ATTR)
+    return region if isinstance(region, Region) else None
+
+
+def wrap(module: nn.Module, path: str, policy: Policy) -> Region:
+    """Route ``module``'s forward through a checkpoint with ``policy`` (see the module doc)."""
+    if region_of(module) is not None:
+        raise BlockError(f"{path} is already a remat region")
+    if "forward" in module.__dict__:
+        raise BlockError(
+            f"{path} ({type(module).__name__}) already has an instance forward (another wrapper "
+            "patched it); remat wraps the module's own forward: apply remat first"
+        )
+    region = Region(path, policy)
+    module.__dict__[_ATTR] = region
+    module.forward = functools.partial(_region_forward, region, module)  # type: ignore[method-assign]
+    return region
+
+
+def unwrap(module: nn.Module) -> None:
+    module.__dict__.pop(_ATTR, None)
+    module.__dict__.pop("forward", None)
+
+
+def _region_forward(region: Region, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    policy = region.policy
+    if policy is None:
+        return type(module).forward(module, *args, **kwargs)
+    return checkpoint(
+        functools.partial(_run, region, module),
+        *args,
+        use_reentrant=False,
+        context_fn=functools.partial(policy_contexts, policy),
+        **kwargs,
+    )
+
+
+_observers: list[Callable[[Region, bool], Any]] = []
+"""Context-manager factories entered around every run of a region's forward (the forward
+itself with ``False``, a recomputation with ``True``): how :mod:`remat.native.trace` labels ops.
+Empty in training: the check costs one list lookup."""
+
+
+def _run(region: Region, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_compiling():
+        # The compiled backward graph holds the recomputation (AOTAutograd's partitioner
+        # reads the policy's tags); nothing here runs again in the backward.
+        return type(module).forward(module, *args, **kwargs)
+    recompute = _in_backward()
+    with contextlib.ExitStack() as stack:
+        if _observers:
+            stack.enter_context(_observers[-1](region, recompute))
+        if recompute:
+            stack.enter_context(running_stats_frozen(module))
+        return type(module).forward(module, *args, **kwargs)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+@contextlib.contextmanager
+def running_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """BatchNorm layers inside ``module`` update scratch statistics, not their own.
+
+    A recomputation runs BatchNorm again in training mode, which would update
+    ``running_mean``, ``running_var`` and ``num_batches_tracked`` a second time. For the
+    re-run, those buffers are swapped for scratch tensors of the same shape: BatchNorm
+    normalises by the batch's statistics exactly as before (in training its output does not
+    depend on the running ones), saves as many tensors for its backward, and the real buffers
+    end the step as in eager. No policy has to keep BatchNorm's output for that reason. The
+    scratch tensors are made outside the dispatch modes (SAC's replay would reject an op the
+    forward did not run); they are a few bytes per channel and freed with the re-run.
+    """
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for m in module.modules():
+        if not (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training):
+            continue
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            buffer = m._buffers.get(name)
+            if buffer is not None:
+                swapped.append((m, name, buffer))
+    with tc.no_dispatch_modes():
+        scratch = [torch.zeros_like(b) for _, _, b in swapped]
+    for (m, name, _), s in zip(swapped, scratch, strict=True):
+        m._buffers[name] = s
+    try:
+        yield
+    finally:
+        for m, name, buffer in swapped:
+            m._buffers[name] = buffer
+
+
+class KeyPolicy:
+    """A SAC policy function: ``MUST_SAVE`` for the listed ``(op, k)`` keys. A fresh one per
+    checkpoint context, so its counters start at zero for every forward (under
+    ``torch.compile`` the policy runs once per trace as well)."""
+
+    def __init__(self, saved: frozenset[OpKey]) -> None:
+        self.saved = saved
+        self.counts: Counter[Any] = Counter()
+
+    def __call__(
+        self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
+        k = self.counts[op]
+        self.counts[op] = k + 1
+        if (str(op), k) in self.saved:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def policy_contexts(saved: frozenset[OpKey]) -> tuple[Any, Any]:
+    """``context_fn`` of a region (module level, so Dynamo can trace the partial of it).
+
+    ``allow_cache_entry_mutation``: policies keep in-place writes to state the block does not
+    own (BatchNorm's ``num_batches_tracked.add_``) so the recomputation does not apply them a
+    second time, and SAC's mutation check rejects the output of every in-place op (it reads
+    the version counter before autograd bumps it). remat's planner never keeps an output that
+    the region mutates later (:attr:`remat.native.trace.OpEvent.savable`).
+    """
+    return create_selective_checkpoint_contexts(  # type: ignore[no-any-return]
+        KeyPolicy(saved), allow_cache_entry_mutation=True
+    )
+
+
+def iter_regions(model: nn.Module) -> Iterator[tuple[nn.Module, Region]]:
+    for m in model.modules():
+        region = region_of(m)
+        if region is not None:
+            yield m, region

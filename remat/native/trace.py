@@ -1,0 +1,374 @@
+"""The native executor's exact memory: PyTorch's own checkpoint run on FakeTensors.
+
+Selective activation checkpointing (SAC) runs the backward its own way: a region holds its
+positional inputs and its ``MUST_SAVE`` outputs through the forward; at the first unpack in
+its backward it replays its forward, returning cached outputs and recomputing the rest, and
+stops once it has re-saved as many tensors as the forward packed; cached entries past that
+point live until the frame dies; recomputed tensors die as their autograd node drops them.
+Rather than re-implement those rules (they change between releases), remat *runs* the step --
+the very same wrappers, policies and autograd engine -- on a FakeTensor copy of the model,
+under the same live-storage meter that measures real runs. Shapes of any size cost no memory
+(a 70B layer plans on a laptop), and the predicted peak is the measured one by construction:
+the tests check it against real runs.
+
+Every op of that run is recorded with where it ran (which block, forward or backward, whether
+it is a recomputation), its bytes and its estimated time, which is what the planner needs:
+the op stream each region's policy sees, and per-block costs in context for the chain DP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+from remat import _torch_compat as tc
+from remat.graph.costs import op_time
+from remat.graph.profiles import DeviceProfile
+from remat.meter import LiveMemoryMeter, training_step
+from remat.native import regions
+from remat.native.regions import OpKey, Policy, Region
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """One ATen op of the traced step."""
+
+    op: str
+    phase: str
+    """``forward`` or ``backward`` (``runtime`` for the output gradients between them)."""
+    block: int
+    """Index of the block it ran in (forward, or recomputation, or the block's backward
+    ops); -1 outside blocks."""
+    recompute: bool
+    key: OpKey | None
+    """The SAC policy's key of a forward op inside a block (``None`` elsewhere and for the
+    ops SAC ignores, e.g. ``detach``)."""
+    allocated_bytes: int
+    """Live bytes right after the op's outputs were allocated (a peak candidate)."""
+    new_bytes: int
+    """Bytes of storages the op created."""
+    flops: int
+    time_s: float
+    savable: bool
+    """A forward op whose output SAC can keep: new storages only (not a view, which would pin
+    its base), not a mutating op, and not mutated in place later in the region."""
+    writes_outside: bool = False
+    """A forward op of a block that writes in place to a tensor the block did not create
+    (BatchNorm's running statistics): every policy keeps it, so the recomputation returns
+    its cached outputs instead of updating the state a second time."""
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    events: tuple[OpEvent, ...]
+    peak_bytes: int
+    blocks: tuple[str, ...]
+    forward_live: tuple[tuple[int, int], ...]
+    """Per block, live bytes when its forward starts and when it has returned."""
+
+    @property
+    def peak_event(self) -> int:
+        return max(range(len(self.events)), key=lambda k: self.events[k].allocated_bytes)
+
+    def forward_stream(self, block: int) -> tuple[OpEvent, ...]:
+        """The keyed forward ops of ``block``: what its policy sees, in order."""
+        return tuple(
+            e
+            for e in self.events
+            if e.block == block and e.phase == "forward" and e.key is not None
+        )
+
+    @property
+    def recompute_flops(self) -> int:
+        return sum(e.flops for e in self.events if e.recompute)
+
+    @property
+    def recompute_time_s(self) -> float:
+        return sum(e.time_s for e in self.events if e.recompute)
+
+
+class TraceError(RuntimeError):
+    """The step cannot run on FakeTensors (a data-dependent op, say)."""
+
+
+class _Recorder(LiveMemoryMeter):
+    """The live meter, recording each op with its place in the step."""
+
+    def __init__(
+        self, profile: DeviceProfile, blocks: Sequence[str], running_stats: frozenset[int]
+    ) -> None:
+        super().__init__()
+        self.running_stats = running_stats
+        """Storage keys of BatchNorm running statistics: a recomputation leaves them alone
+        (:func:`remat.native.regions.running_stats_frozen`), so writing them is no reason
+        to keep an op."""
+        self.profile = profile
+        self.index = {p: k for k, p in enumerate(blocks)}
+        self.phase = "forward"
+        self.block = -1
+        self.recompute = False
+        self.counts: Counter[Any] = Counter()
+        self.rows: list[dict[str, Any]] = []
+        self.modules: list[str] = []
+        """Paths of the modules whose forward is running, outermost first."""
+        self.creator: dict[int, int] = {}
+        """Storage key -> the row that created it, for the storages the running block's
+        forward created (keys are reused once a storage dies: reset per block)."""
+        self.fwd_live: dict[int, tuple[int, int]] = {}
+        """Block -> live bytes when its forward starts and when it returns."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        before = self.live_bytes
+        out = func(*args, **kwargs)
+        in_tensors, outs = _tensors((args, kwargs)), _tensors(out)
+        self._count(in_tensors, outs)
+        new_bytes = self.live_bytes - before
+        ins = {tc.storage_key(t) for t in in_tensors}
+        out_keys = [tc.storage_key(t) for t in outs]
+        written = _written_storages(func, args, kwargs) if func._schema.is_mutable else set()
+        if func in _UNANNOTATED_WRITES:
+            written = _written_storages(func, args, kwargs)
+        mutable = bool(written)
+        in_block_forward = self.block >= 0 and self.phase == "forward" and not self.recompute
+        key = None
+        if in_block_forward and func not in SAC_IGNORED_OPS:
+            key = (str(func), self.counts[func])
+            self.counts[func] += 1
+        outside = False
+        if in_block_forward and mutable:
+            outside = bool(written - self.creator.keys() - self.running_stats)
+            for k in written & self.creator.keys():
+                row = self.rows[self.creator[k]]
+                if not row["writes_outside"]:
+                    row["savable"] = False  # SAC would return the mutated tensor
+        view = bool(outs) and all(k in ins for k in out_keys)
+        if in_block_forward:
+            self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
+        flops, time_s = op_time(func, args, kwargs, out, self.profile, (in_tensors, outs))
+        self.rows.append(
+            {
+                "op": str(func),
+                "phase": self.phase,
+                "block": self.block,
+                "recompute": self.recompute,
+                "key": key,
+                "allocated_bytes": self.live_bytes,
+                "new_bytes": new_bytes,
+                "flops": flops,
+                "time_s": 0.0 if view else time_s,
+                "savable": key is not None and bool(outs) and (outside or not (view or mutable)),
+                "writes_outside": outside,
+            }
+        )
+        return out
+
+    @contextlib.contextmanager
+    def region(self, region: Region, recompute: bool) -> Iterator[None]:
+        saved = (self.block, self.recompute)
+        self.block, self.recompute = self.index[region.path], recompute
+        if not recompute:
+            self.counts.clear()
+            self.creator.clear()
+        try:
+            yield
+        finally:
+            self.block, self.recompute = saved
+
+    def events(self) -> tuple[OpEvent, ...]:
+        return tuple(OpEvent(**row) for row in self.rows)
+
+
+_UNANNOTATED_WRITES: dict[Any, tuple[int, ...]] = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+}
+"""Ops whose schema does not declare the arguments they write: ``native_batch_norm`` (what
+eager BatchNorm runs on CPU) updates ``running_mean`` and ``running_var`` in training."""
+
+
+def _written_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
+    """Storage keys of the arguments ``func`` writes in place."""
+    out: set[int] = set()
+    schema = func._schema
+    for k, arg in enumerate(schema.arguments):
+        declared = arg.alias_info is not None and arg.alias_info.is_write
+        if not declared and k not in _UNANNOTATED_WRITES.get(func, ()):
+            continue
+        value = args[k] if k < len(args) else kwargs.get(arg.name)
+        out.update(tc.storage_key(t) for t in _tensors(value))
+    return out
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+class FakeModel:
+    """A copy of the user's model that steps are traced on: FakeTensors (no memory, any
+    size), or with ``real=True`` real tensors, for models whose step cannot run on
+    FakeTensors (data-dependent shapes, as MoE routing has): exact for the example inputs."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[str], *, real: bool = False) -> None:
+        self.real = real
+        self.mode: Any
+        if real:
+            self.mode = contextlib.nullcontext()
+            self.module = copy.deepcopy(model)
+        else:
+            # A model built under remat.fake_mode() keeps its mode (modes cannot mix).
+            self.mode = tc.fake_mode_of(model) or tc.FakeTensorMode(allow_non_fake_inputs=False)
+            self.module = tc.fake_copy(model, self.mode)
+        self.blocks = tuple(blocks)
+        self._paths = {id(m): p for p, m in self.module.named_modules()}
+        modules = dict(self.module.named_modules())
+        self._blocks = [modules[p] for p in self.blocks]
+        self._running_stats = frozenset(
+            tc.storage_key(b)
+            for m in self.module.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for b in m.buffers(recurse=False)
+        )
+
+    def trace(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        policies: Sequence[Policy],
+        *,
+        profile: DeviceProfile,
+        autocast: torch.dtype | None = None,
+    ) -> StepTrace:
+        """Run one training step (as :func:`remat.meter.training_step`) with ``policies[k]``
+        on block ``k`` and record it."""
+        recorder = _Recorder(profile, self.blocks, self._running_stats)
+        for p in self.module.parameters():
+            p.grad = None
+        fake_args, fake_kwargs = pytree.tree_map(self._fake, (args, dict(kwargs)))
+        with contextlib.ExitStack() as stack:
+            for k, (m, policy) in enumerate(zip(self._blocks, policies, strict=True)):
+                regions.wrap(m, self.blocks[k], policy)
+                stack.callback(regions.unwrap, m)
+                stack.enter_context(_labels(m, k, recorder))
+            regions._observers.append(recorder.region)
+            stack.callback(regions._observers.pop)
+            stack.enter_context(_module_stack(self._paths, recorder.modules))
+            stack.enter_context(self.mode)
+            stack.enter_context(recorder)
+
+            def backward_starts() -> None:
+                recorder.phase, recorder.block = "backward", -1
+
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            try:
+                training_step(
+                    self.module,
+                    fake_args,
+                    fake_kwargs,
+                    autocast=autocast,
+                    on_backward=backward_starts,
+                )
+            except Exception as e:
+                raise _explain(e, recorder, self.real) from e
+            finally:
+                for p in self.module.parameters():
+                    p.grad = None  # shared with the user's model when it is fake
+        missing = [self.blocks[k] for k in range(len(self.blocks)) if k not in recorder.fwd_live]
+        if missing:
+            raise TraceError(f"blocks never called in the forward: {missing[:3]}")
+        live = tuple(recorder.fwd_live[k] for k in range(len(self.blocks)))
+        return StepTrace(recorder.events(), recorder.peak_bytes, self.blocks, live)
+
+    def _fake(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not self.real and not tc.is_fake(x):
+            return self.mode.from_tensor(x)
+        return x
+
+
+@contextlib.contextmanager
+def _labels(module: nn.Module, k: int, recorder: _Recorder) -> Iterator[None]:
+    """Forward ops of block ``k`` are labelled by its forward hooks (the region observer also
+    labels them, and its recomputations); its backward starts when the gradient of its output
+    arrives (a hook on the output tensors)."""
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        if recorder.phase == "forward":
+            recorder.block = k
+            recorder.counts.clear()
+            recorder.creator.clear()
+            recorder.fwd_live[k] = (recorder.live_bytes, recorder.live_bytes)
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        if recorder.phase != "forward":
+            return
+        recorder.block = -1
+        recorder.fwd_live[k] = (recorder.fwd_live[k][0], recorder.live_bytes)
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(_starts_backward(recorder, k))
+
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _module_stack(paths: Mapping[int, str], stack: list[str]) -> Iterator[None]:
+    """Keep ``stack`` the paths of the running module forwards (to name where a step
+    failed: after an exception, the innermost module stays on top)."""
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        stack.append(paths.get(id(mod), type(mod).__name__))
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        stack.pop()
+
+    handles = [
+        nn.modules.module.register_module_forward_pre_hook(pre),
+        nn.modules.module.register_module_forward_hook(post),
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _starts_backward(recorder: _Recorder, k: int) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        recorder.block = k
+
+    return hook
+
+
+def _explain(error: Exception, recorder: _Recorder, real: bool) -> Exception:
+    ops = [r["op"] for r in recorder.rows if not r["op"].startswith("prim.")]
+    last = f"after {ops[-1]}" if ops else "at the first op"
+    where = next(
+        (f"block {p}" for p, k in recorder.index.items() if k == recorder.block),
+        "outside the blocks",
+    )
+    if recorder.phase == "forward" and recorder.modules:
+        where += f", module {recorder.modules[-1]}"
+    on = "a copy of the model" if real else "FakeTensors (no memory)"
+    hint = ""
+    if isinstance(error, tc.DATA_DEPENDENT_ERRORS):
+        hint = (
+            ": its shapes depend on tensor values (nonzero, item, boolean-mask indexing), "
+            "which FakeTensors do not have"
+        )
+    return TraceError(
+        f"the training step failed while remat traced it on {on}, in the {recorder.phase}, "
+        f"{where}, {last}{hint}: {type(error).__name__}: {error}"
+    )
