@@ -14,7 +14,7 @@ from remat.budget import DeviceBudgetError, StaticMemoryError
 from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
-from remat.native.api import apply, plan_of, unapply
+from remat.native.api import apply, plan_of, save_plan, unapply
 from remat.native.regions import BlockError
 from remat.native.trace import TraceError
 from remat.pipeline import Analysis, BudgetError, analyze
@@ -47,5 +47,6 @@ __all__ = [
     "measure_step",
     "optimize",
     "plan_of",
+    "save_plan",
     "unapply",
 ]

@@ -22,6 +22,8 @@ from remat.solver.plan import Plan, make_plan
 
 FORMAT = "remat-plan"
 VERSION = 1
+NATIVE = "native-sac"
+"""``graph.executor`` of a plan made by :func:`remat.apply`."""
 
 
 class PlanFileError(ValueError):
@@ -69,6 +71,13 @@ class PlanFile:
 
 
 def plan_document(plan: Plan, problem: Problem) -> dict[str, Any]:
+    graph = {"values": len(problem.values), "device_profile": problem.device_profile}
+    return document(plan, fingerprint(problem), {**graph, **dict(problem.metadata)})
+
+
+def document(plan: Plan, fingerprint: str, graph: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan file's JSON: ``fingerprint`` identifies what it was solved for, ``graph``
+    describes it (``executor``: ``native-sac`` for :func:`remat.apply`'s plans)."""
     import torch
 
     import remat
@@ -79,12 +88,8 @@ def plan_document(plan: Plan, problem: Problem) -> dict[str, Any]:
         "version": VERSION,
         "remat_version": remat.__version__,
         "torch_version": torch.__version__,
-        "fingerprint": fingerprint(problem),
-        "graph": {
-            "values": len(problem.values),
-            "device_profile": problem.device_profile,
-            **dict(problem.metadata),
-        },
+        "fingerprint": fingerprint,
+        "graph": dict(graph),
         "solver": plan.solver,
         "reason": plan.reason,
         "saved": sorted(plan.saved),
@@ -102,8 +107,12 @@ def plan_document(plan: Plan, problem: Problem) -> dict[str, Any]:
 
 
 def save_plan(plan: Plan, problem: Problem, path: str | Path) -> Path:
+    return write_document(plan_document(plan, problem), path)
+
+
+def write_document(doc: Mapping[str, Any], path: str | Path) -> Path:
     path = Path(path)
-    path.write_text(json.dumps(plan_document(plan, problem), indent=1) + "\n")
+    path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
 
 
@@ -143,6 +152,11 @@ def plan_from_file(path: str | Path, problem: Problem) -> Plan:
     import torch
 
     f = read_plan(path)
+    if f.record.get("graph", {}).get("executor") == NATIVE:
+        raise PlanFileError(
+            f"plan file {path} holds a remat.apply plan (SAC policies on the model's own "
+            "blocks): load it with remat.apply(model, inputs, plan=...)"
+        )
     mine = fingerprint(problem)
     if f.fingerprint != mine:
         raise PlanFileError(

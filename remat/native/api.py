@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from remat.native import planner, regions
 from remat.native.regions import BlockError, Policy
 from remat.native.trace import FakeModel, TraceError
 from remat.pipeline import AUTOCAST
+from remat.planfile import NATIVE, PlanFileError, document, read_plan, write_document
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.plan import Plan
 
@@ -42,6 +44,10 @@ class Applied:
     """Seconds spent tracing the eager step and solving (tracing every candidate)."""
     use_cache: bool | None = None
     """The model's ``config.use_cache`` before ``apply`` turned it off."""
+    fingerprint: str = ""
+    """Of the blocks' op streams (:func:`remat.native.planner.fingerprint`)."""
+    describe: Mapping[str, str] = field(default_factory=dict)
+    """Model class, precision and device profile, for the plan file."""
 
 
 def apply(
@@ -57,7 +63,7 @@ def apply(
     world_size: int = 1,
     reserve_fraction: float = DEFAULT_RESERVE,
     activation_budget_bytes: int | None = None,
-    plan: str | None = None,
+    plan: str | Path | None = None,
     solver: str | None = None,
     device_profile: str | DeviceProfile = "auto",
     time_limit_s: float = 60.0,
@@ -79,7 +85,9 @@ def apply(
     the whole device with ``optimizer``, ``precision``, ``zero_stage``, ``world_size``,
     ``reserve_fraction``; or ``activation_budget_bytes`` for the step alone). ``plan``: a
     fixed plan, ``keep_all`` (no checkpoint), ``keep_matmuls`` (each block keeps its matmul
-    and attention outputs) or ``block`` (each block recomputed whole). ``solver``: ``auto``.
+    and attention outputs) or ``block`` (each block recomputed whole); or a plan file from
+    :func:`save_plan`, re-applied without solving (one solved for other blocks or shapes
+    raises :class:`remat.PlanFileError`). ``solver``: ``auto``.
     ``block_types``: class names or path patterns of the blocks (default: the children of the
     largest ModuleList).
 
@@ -134,7 +142,9 @@ def apply(
 
     t1 = time.perf_counter()
     try:
-        if plan is not None:
+        if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
+            solution = _from_file(problem, plan, tracer)
+        elif plan is not None:
             solution = planner.fixed(problem, plan, tracer)
             if step_budget is not None and solution.trace.peak_bytes > step_budget:
                 raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
@@ -153,9 +163,48 @@ def apply(
     for path, policy in zip(blocks, solution.policies, strict=True):
         regions.wrap(modules[path], path, policy)
     model.__dict__[_STATE] = Applied(
-        chosen, blocks, solution.policies, {"trace": t1 - t0, "solve": t2 - t1}, use_cache
+        chosen,
+        blocks,
+        solution.policies,
+        {"trace": t1 - t0, "solve": t2 - t1},
+        use_cache,
+        planner.fingerprint(problem),
+        {"model": type(model).__name__, "precision": precision, "device_profile": profile.name},
     )
     return model
+
+
+def save_plan(model: nn.Module, path: str | Path) -> Path:
+    """Write ``model``'s plan (from :func:`apply`) as JSON, with a fingerprint of its blocks'
+    op streams, for ``remat.apply(model, inputs, plan=path)`` to re-apply without solving."""
+    state = applied(model)
+    graph = {"executor": NATIVE, "blocks": list(state.blocks), **state.describe}
+    return write_document(document(state.plan, state.fingerprint, graph), path)
+
+
+def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) -> Any:
+    f = read_plan(path)
+    theirs = f.record.get("graph", {})
+    if theirs.get("executor") != NATIVE:
+        raise PlanFileError(
+            f"plan file {path} was solved for remat.optimize's executor (joint-graph node "
+            "names), not for remat.apply: load it with remat.optimize(..., plan=...)"
+        )
+    mine = planner.fingerprint(problem)
+    if f.fingerprint != mine:
+        raise PlanFileError(
+            f"plan file {path} was solved for other blocks or shapes (fingerprint "
+            f"{f.fingerprint[:12]}, this model's {mine[:12]}; blocks there: "
+            f"{len(theirs.get('blocks', []))}, here: {len(problem.blocks)}). It was written "
+            f"with torch {f.torch_version} (this is {torch.__version__}). Plan again."
+        )
+    try:
+        policies = planner.policies_from_saved(problem, f.saved)
+    except ValueError as e:
+        raise PlanFileError(f"plan file {path}: {e}") from None
+    return planner.Solution(
+        policies, tracer(policies), f.solver, f"loaded from {path} ({f.reason})"
+    )
 
 
 def _real_fallback(model: nn.Module) -> bool:

@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -337,6 +339,36 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
     )
 
 
+def fingerprint(problem: NativeProblem) -> str:
+    """A hash of the blocks and the op streams their policies see (with sizes; not costs)."""
+    body = [
+        [path, [[e.key, e.new_bytes, e.savable] for e in problem.streams[problem.class_of(k)]]]
+        for k, path in enumerate(problem.blocks)
+    ]
+    return hashlib.sha256(json.dumps(body).encode()).hexdigest()
+
+
+def policies_from_saved(problem: NativeProblem, saved: frozenset[str]) -> tuple[Policy, ...]:
+    """Each block's policy from a plan's saved names (``path:op#k``, ``path:eager``)."""
+    policies: list[Policy] = []
+    for path in problem.blocks:
+        if f"{path}:eager" in saved:
+            policies.append(None)
+            continue
+        keys = []
+        for name in saved:
+            block, _, key = name.rpartition(":")
+            if block == path:
+                op, _, k = key.rpartition("#")
+                keys.append((op, int(k)))
+        policies.append(frozenset(keys))
+    known = {f"{p}:" for p in problem.blocks}
+    stray = sorted(n for n in saved if not any(n.startswith(b) for b in known))
+    if stray:
+        raise ValueError(f"the plan names blocks this model does not have: {stray[:3]}")
+    return tuple(policies)
+
+
 def _event_name(problem: NativeProblem, e: OpEvent) -> str:
     where = problem.blocks[e.block] if e.block >= 0 else "outside"
     return f"{where}:{e.op}" + (f"#{e.key[1]}" if e.key else "")
@@ -353,8 +385,10 @@ __all__ = [
     "Solution",
     "analyze",
     "costs",
+    "fingerprint",
     "fixed",
     "menu",
+    "policies_from_saved",
     "solve",
     "to_plan",
 ]

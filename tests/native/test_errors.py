@@ -118,3 +118,26 @@ def test_hf_kv_cache_off_and_restored() -> None:
     assert not model.config.use_cache
     remat.unapply(model)
     assert model.config.use_cache
+
+
+def test_plan_file_round_trip_and_mismatch(tmp_path: Path) -> None:
+    model, tokens = _gpt()
+    remat.apply(model, tokens, activation_budget_bytes=700_000)
+    plan = remat.plan_of(model)
+    path = remat.save_plan(model, tmp_path / "plan.json")
+    again, _ = _gpt()
+    remat.apply(again, tokens, plan=path)
+    loaded = remat.plan_of(again)
+    assert loaded.saved == plan.saved
+    assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert "loaded from" in loaded.reason
+    with pytest.raises(remat.PlanFileError, match="other blocks or shapes"):
+        remat.apply(_gpt()[0], torch.randint(0, 64, (4, 16)), plan=path)
+    with pytest.raises(remat.PlanFileError, match="remat.apply"):
+        remat.optimize(_gpt()[0], tokens, plan=path)
+    joint = remat.optimize(_gpt()[0], tokens, plan="keep_all").save_plan(tmp_path / "j.json")
+    with pytest.raises(remat.PlanFileError, match="remat.optimize"):
+        remat.apply(_gpt()[0], tokens, plan=joint)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(remat.PlanFileError, match="not readable"):
+        remat.apply(_gpt()[0], tokens, plan=tmp_path / "bad.json")

@@ -1,0 +1,95 @@
+"""``remat.apply`` with the Hugging Face stack: the Trainer, unchanged, and PEFT LoRA."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from tests.checks import assert_trains_like_eager
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 128, (16, 64), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _train(model: nn.Module, out: Path) -> list[torch.Tensor]:
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    Trainer(model=model, args=args, train_dataset=_Tokens()).train()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_trainer_runs_an_applied_model_unchanged(tmp_path: Path) -> None:
+    model = _llama()
+    plain = _train(copy.deepcopy(model), tmp_path / "plain")
+    batch = _Tokens()[0]
+    work = copy.deepcopy(model)
+    kwargs: dict[str, Any] = {"labels": batch["labels"].expand(4, -1)}
+    remat.apply(work, batch["input_ids"].expand(4, -1), example_kwargs=kwargs, plan="block")
+    ours = _train(work, tmp_path / "remat")
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(plain, model.parameters(), strict=True))
+
+
+def test_peft_lora_plan_counts_frozen_weights_and_trains_bitwise() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(
+        _llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    )
+    tokens = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(5))
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in lora.parameters() if not p.requires_grad)
+    assert frozen > 10 * trainable
+
+    result = assert_trains_like_eager(
+        lora, (tokens,), {}, native=True, budget_bytes=8_000_000, optimizer="adamw"
+    )
+    memory = result.plan.device_memory
+    assert memory is not None
+    assert memory["optimizer_state"] == 8 * trainable  # AdamW moments of the LoRA weights only
+    assert memory["parameters"] == 4 * (trainable + frozen)
+    for step in result.steps:
+        assert step.predicted_peak_bytes - step.measured_peak_bytes <= 4 * 64 * 64  # HF's mask
+        assert step.measured_peak_bytes <= step.predicted_peak_bytes
