@@ -30,6 +30,7 @@ __all__ = [
     "DATA_DEPENDENT_ERRORS",
     "BufferAOTInput",
     "FakeTensor",
+    "FakeWorld",
     "FakeTensorMode",
     "GradAOTOutput",
     "InputMutationAOTOutput",
@@ -47,6 +48,7 @@ __all__ = [
     "inductor_recording",
     "fake_copy",
     "fake_mode_of",
+    "fully_shard_blocks",
     "flop_registry",
     "is_fake",
     "min_cut_backend",
@@ -123,6 +125,86 @@ DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
     torch._subclasses.fake_tensor.DynamicOutputShapeException,
 )
 """What FakeTensorMode raises on an op whose output depends on tensor values."""
+
+
+class FakeWorld:
+    _worlds = 0
+
+    """A c10d "world" of its own holding one fake process group of ``world_size`` ranks.
+
+    c10d keeps its process groups in one module-level registry; a training job has its
+    real default group there already. This world is swapped in only while remat traces a
+    step under FSDP2 on FakeTensors (:meth:`active`), so the job's groups are untouched and
+    no collective leaves the process (the fake group's collectives return at once).
+    """
+
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from torch.testing._internal.distributed.multi_threaded_pg import WorldData
+
+        self.world_size = world_size
+        # Group names come from the world's group count and are registered process-wide:
+        # start far from the job's own (which count from 0).
+        FakeWorld._worlds += 1
+        first = 1_000_000 * FakeWorld._worlds
+        self._data = WorldData(None, {}, {}, {}, {}, first, {}, {}, {}, [])  # type: ignore[arg-type]
+        self._world = _OwnWorld(self._data)
+        with self.active():
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        c10d = torch.distributed.distributed_c10d
+        previous = c10d._world
+        c10d._world = self._world  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            c10d._world = previous
+
+
+class _OwnWorld:
+    """``distributed_c10d._World``'s interface over one WorldData (as PyTorch's threaded
+    process groups do for their thread-local worlds)."""
+
+    def __init__(self, data: Any) -> None:
+        self._data = data
+
+    @property
+    def default_pg(self) -> Any:
+        return self._data.default_pg
+
+    @default_pg.setter
+    def default_pg(self, value: Any) -> None:
+        self._data.default_pg = value
+
+    @property
+    def group_count(self) -> int:
+        return int(self._data.group_count)
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._data.group_count = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)  # pg_map, pg_names, pg_group_ranks, ...
+
+
+def fully_shard_blocks(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], world_size: int, mode: FakeTensorMode
+) -> None:
+    """FSDP2 as the recipe applies it: ``fully_shard`` each block, then the root, defaults;
+    the device mesh is made outside ``mode`` (its rank table is read as data)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next((t.device.type for t in model.parameters()), "cpu")
+    mesh = init_device_mesh(device, (world_size,))
+    with mode:
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:

@@ -93,7 +93,11 @@ def apply(
 
     Every plan's peak is measured by running the step, wrapped as it will train, on a
     FakeTensor copy of the model (no memory, any size), under the live-storage meter that
-    measures real steps: ``remat.plan_of(model).predicted_peak_bytes``.
+    measures real steps: ``remat.plan_of(model).predicted_peak_bytes``. With
+    ``zero_stage=3, world_size=N`` the copy is sharded with FSDP2 over N ranks of a fake
+    process group (``fully_shard`` on each block, then the root, as the recipe does) and the
+    peak is one rank's: gathered parameters of the running and prefetched blocks, gradients
+    before and after reduce-scatter.
 
     Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
     refused after them), and only once (:func:`unapply` first to re-plan).
@@ -126,7 +130,8 @@ def apply(
     blocks = regions.find_blocks(model, tuple(block_types))
     use_cache = _disable_kv_cache(model)
     autocast = AUTOCAST[precision]
-    fake = FakeModel(model, blocks)
+    fsdp = world_size if zero_stage == 3 and world_size > 1 else None
+    fake = FakeModel(model, blocks, fsdp_world=fsdp)
     try:
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
     except TraceError as e:

@@ -215,9 +215,21 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 class FakeModel:
     """A copy of the user's model that steps are traced on: FakeTensors (no memory, any
     size), or with ``real=True`` real tensors, for models whose step cannot run on
-    FakeTensors (data-dependent shapes, as MoE routing has): exact for the example inputs."""
+    FakeTensors (data-dependent shapes, as MoE routing has): exact for the example inputs.
 
-    def __init__(self, model: nn.Module, blocks: Sequence[str], *, real: bool = False) -> None:
+    ``fsdp_world``: the copy is sharded with FSDP2 over that many ranks of a fake process
+    group (:class:`remat._torch_compat.FakeWorld`), each block and then the root, and the
+    step is traced as one rank runs it: gathered parameters of the running and prefetched
+    blocks, gradients before and after reduce-scatter."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[str],
+        *,
+        real: bool = False,
+        fsdp_world: int | None = None,
+    ) -> None:
         self.real = real
         self.mode: Any
         if real:
@@ -237,6 +249,17 @@ class FakeModel:
             if isinstance(m, nn.modules.batchnorm._BatchNorm)
             for b in m.buffers(recurse=False)
         )
+        self.world: tc.FakeWorld | None = None
+        self._warm = False
+        if fsdp_world is not None:
+            if real:
+                raise TraceError(
+                    "FSDP2 can only be traced on FakeTensors, and this model's step cannot "
+                    "run on them: plan without zero_stage=3 (the single-device step)"
+                )
+            self.world = tc.FakeWorld(fsdp_world)
+            with self.world.active():
+                tc.fully_shard_blocks(self.module, self._blocks, fsdp_world, self.mode)
 
     def trace(
         self,
@@ -253,6 +276,8 @@ class FakeModel:
         for p in self.module.parameters():
             p.grad = None
         fake_args, fake_kwargs = pytree.tree_map(self._fake, (args, dict(kwargs)))
+        if self.world is not None and not self._warm:
+            self._warm_up(fake_args, fake_kwargs, autocast)
         with contextlib.ExitStack() as stack:
             for k, (m, policy) in enumerate(zip(self._blocks, policies, strict=True)):
                 regions.wrap(m, self.blocks[k], policy)
@@ -260,6 +285,8 @@ class FakeModel:
                 stack.enter_context(_labels(m, k, recorder))
             regions._observers.append(recorder.region)
             stack.callback(regions._observers.pop)
+            if self.world is not None:
+                stack.enter_context(self.world.active())
             stack.enter_context(_module_stack(self._paths, recorder.modules))
             stack.enter_context(self.mode)
             stack.enter_context(recorder)
@@ -286,6 +313,17 @@ class FakeModel:
             raise TraceError(f"blocks never called in the forward: {missing[:3]}")
         live = tuple(recorder.fwd_live[k] for k in range(len(self.blocks)))
         return StepTrace(recorder.events(), recorder.peak_bytes, self.blocks, live)
+
+    def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None) -> None:
+        """One unrecorded step: FSDP2 initialises lazily in its first forward (its unsharded
+        parameter storages, kept and resized from then on), so the recorded steps are the
+        steady ones a training run repeats."""
+        assert self.world is not None
+        with self.world.active(), self.mode, torch.random.fork_rng(devices=[]):
+            training_step(self.module, args, kwargs, autocast=autocast)
+        for p in self.module.parameters():
+            p.grad = None
+        self._warm = True
 
     def _fake(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not self.real and not tc.is_fake(x):

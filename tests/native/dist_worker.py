@@ -45,14 +45,13 @@ def _wrap(model: nn.Module, engine: str) -> nn.Module:
 def _train(model: nn.Module, tokens: torch.Tensor, rank: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     params: list[dict[str, torch.Tensor]] = []
-    peak = 0
+    peak = 0  # of the last step
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(1000 * (rank + 1) + step)
         with LiveMemoryMeter() as meter:
             training_step(model, (tokens,), seed=step)
-        if step == 0:
-            peak = meter.peak_bytes
+        peak = meter.peak_bytes
         opt.step()
         params.append({n: _full(p).clone() for n, p in model.named_parameters()})
     return {"params": params, "peak": peak}
@@ -71,7 +70,8 @@ def main(rank: int, world: int, engine: str, out: str, budget: int) -> None:
         tokens = tokens.roll(rank, dims=0)  # each rank its own batch
         plain = _train(_wrap(copy.deepcopy(model), engine), tokens, rank)
         work = copy.deepcopy(model)
-        remat.apply(work, tokens, activation_budget_bytes=budget)
+        fsdp = {"zero_stage": 3, "world_size": world} if engine == "fsdp2" else {}
+        remat.apply(work, tokens, activation_budget_bytes=budget, **fsdp)
         plan = remat.plan_of(work)
         ours = _train(_wrap(work, engine), tokens, rank)
         torch.save(
