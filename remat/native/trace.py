@@ -35,6 +35,7 @@ from remat.graph.costs import op_time
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, training_step
 from remat.native import regions
+from remat.native.hf import real_packing_check
 from remat.native.regions import OpKey, Policy, Region
 
 
@@ -288,6 +289,8 @@ class FakeModel:
             if self.world is not None:
                 stack.enter_context(self.world.active())
             stack.enter_context(_module_stack(self._paths, recorder.modules))
+            if not self.real:
+                stack.enter_context(real_packing_check(kwargs))
             stack.enter_context(self.mode)
             stack.enter_context(recorder)
 
@@ -319,7 +322,12 @@ class FakeModel:
         parameter storages, kept and resized from then on), so the recorded steps are the
         steady ones a training run repeats."""
         assert self.world is not None
-        with self.world.active(), self.mode, torch.random.fork_rng(devices=[]):
+        with (
+            self.world.active(),
+            real_packing_check(kwargs),
+            self.mode,
+            torch.random.fork_rng(devices=[]),
+        ):
             training_step(self.module, args, kwargs, autocast=autocast)
         for p in self.module.parameters():
             p.grad = None

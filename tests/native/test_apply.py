@@ -18,22 +18,6 @@ from remat.meter import measure_step
 from tests.checks import assert_trains_like_eager
 from tests.zoo import NATIVE_ZOO, Case
 
-HF_CAUSAL = {"hf_gpt2", "hf_llama_gqa", "hf_mixtral_moe"}
-
-
-def _mask_bytes(case: Case) -> int:
-    """Bytes of the boolean causal mask a Hugging Face decoder builds on FakeTensors.
-
-    On real tensors HF checks the position ids for packed sequences and, finding none, lets
-    SDPA apply causality (``is_causal=True``, no mask); on FakeTensors it cannot read them and
-    materialises a ``[batch, 1, seq, seq]`` boolean mask instead. The traced prediction can
-    hold that mask where the real run does not: by at most these bytes, and never less
-    than the measured peak."""
-    if case.name not in HF_CAUSAL:
-        return 0
-    batch, seq = case.inputs()[0].shape
-    return int(batch * seq * seq)
-
 
 def _least_peak(case: Case) -> int:
     with pytest.raises(remat.BudgetError) as info:
@@ -58,8 +42,7 @@ def test_three_budgets_bitwise_predicted_and_monotone(case: Case) -> None:
         )
         plan = result.plan
         for step in result.steps:
-            gap = step.predicted_peak_bytes - step.measured_peak_bytes
-            assert 0 <= gap <= _mask_bytes(case), (case.name, budget, step)
+            assert step.predicted_peak_bytes == step.measured_peak_bytes, (case.name, step)
             assert step.measured_peak_bytes <= budget
         assert plan.predicted_peak_bytes <= budget
         costs.append(plan.recompute_time_s)
