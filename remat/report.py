@@ -23,7 +23,7 @@ from remat.solver.fixed import fixed_saved_set
 from remat.solver.plan import Plan, make_plan
 
 if TYPE_CHECKING:
-    from remat.rewrite.module import RematModule
+    from torch import nn
 
 _INDEX = re.compile(r"(^|\.)\d+(?=\.|$)")
 
@@ -140,8 +140,17 @@ def explain_plan(plan: Plan, problem: Problem, *, width: int = 120) -> str:
     return buf.getvalue()
 
 
-def explain(module: RematModule, *, width: int = 120) -> str:
-    """Print and return the report of ``module``'s plan (see the module docstring)."""
-    text = explain_plan(module.plan, module._first.problem, width=width)
+def explain(module: nn.Module, *, width: int = 120) -> str:
+    """Print and return the report of ``module``'s plan (see the module docstring): a
+    :class:`RematModule` from :func:`remat.optimize`, or a model :func:`remat.apply` wrapped."""
+    from remat.rewrite.module import RematModule
+
+    if isinstance(module, RematModule):
+        text = explain_plan(module.plan, module._first.problem, width=width)
+    else:
+        from remat.native.api import applied
+        from remat.native.report import explain_applied
+
+        text = explain_applied(applied(module), width=width)
     print(text, end="")
     return text

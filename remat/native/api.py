@@ -48,6 +48,12 @@ class Applied:
     """Of the blocks' op streams (:func:`remat.native.planner.fingerprint`)."""
     describe: Mapping[str, str] = field(default_factory=dict)
     """Model class, precision and device profile, for the plan file."""
+    options: tuple[str, ...] = ()
+    """Per block, the menu option the plan chose."""
+    eager_peak_bytes: int = 0
+    """The traced step's peak with every block eager (no checkpoint)."""
+    block_recompute_s: tuple[float, ...] = ()
+    """Per block, the estimated time of what its backward recomputes."""
 
 
 def apply(
@@ -175,6 +181,9 @@ def apply(
         use_cache,
         planner.fingerprint(problem),
         {"model": type(model).__name__, "precision": precision, "device_profile": profile.name},
+        solution.options,
+        problem.baseline.peak_bytes,
+        tuple(planner.costs(solution.trace).time_s),
     )
     return model
 
@@ -208,7 +217,11 @@ def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) ->
     except ValueError as e:
         raise PlanFileError(f"plan file {path}: {e}") from None
     return planner.Solution(
-        policies, tracer(policies), f.solver, f"loaded from {path} ({f.reason})"
+        policies,
+        tracer(policies),
+        f.solver,
+        f"loaded from {path} ({f.reason})",
+        tuple("from file" for _ in policies),
     )
 
 

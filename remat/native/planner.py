@@ -181,6 +181,8 @@ class Solution:
     trace: StepTrace
     solver: str
     reason: str
+    options: tuple[str, ...] = ()
+    """Per block, the name of the menu option chosen (for reports)."""
 
 
 Tracer = Callable[[Sequence[Policy]], StepTrace]
@@ -203,7 +205,7 @@ def fixed(problem: NativeProblem, name: str, tracer: Tracer) -> Solution:
         "keep_matmuls": "every block keeps its matmul and attention outputs",
         "block": "every block recomputed whole (gradient_checkpointing_enable())",
     }
-    return Solution(tuple(policies), tracer(policies), name, reasons[name])
+    return Solution(tuple(policies), tracer(policies), name, reasons[name], (name,) * len(policies))
 
 
 def solve(
@@ -216,6 +218,10 @@ def solve(
     """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring)."""
     if budget_bytes is None:
         return fixed(problem, "keep_all", tracer)
+    if problem.baseline.peak_bytes <= budget_bytes:  # nothing to recompute: nothing is cheaper
+        n = len(problem.blocks)
+        reason = "every block runs eagerly (no checkpoint): the step fits the budget as it is"
+        return Solution((None,) * n, problem.baseline, "auto", reason, ("eager",) * n)
     t0 = time.perf_counter()
     deadline = t0 + config.time_limit_s
     n = len(problem.blocks)
@@ -256,7 +262,7 @@ def solve(
         f"chain DP over {n} blocks ({n_opts} options per class, {len(found)} plans traced "
         f"on FakeTensors): {summary}; {time.perf_counter() - t0:.1f} s"
     )
-    return Solution(tuple(policies(choice)), trace, "auto", reason)
+    return Solution(tuple(policies(choice)), trace, "auto", reason, tuple(names))
 
 
 def _fit(
@@ -288,7 +294,7 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
     schedule and timeline are the traced step's."""
     trace = solution.trace
     saved: list[str] = []
-    decisions: dict[str, str] = {}
+    decisions: dict[str, str] = {"(outside the blocks)": "eager: no checkpoint"}
     for k, (path, policy) in enumerate(zip(problem.blocks, solution.policies, strict=True)):
         if policy is None:
             saved.append(f"{path}:eager")

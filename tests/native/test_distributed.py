@@ -55,3 +55,20 @@ def test_bitwise_and_lower_peak_per_rank(engine: str, tmp_path: Path, monkeypatc
                 assert torch.equal(a[name], b[name]), f"rank {rank} step {step}: {name}"
         assert got["remat"]["peak"] < got["plain"]["peak"], (rank, got["remat"]["peak"])
         assert got["remat"]["peak"] == got["predicted"], (rank, got["remat"]["peak"])
+
+
+@pytest.mark.slow
+def test_fsdp2_example_script_runs() -> None:
+    """The README's recipe, ``examples/fsdp2_native.py``, as a user runs it."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "examples" / "fsdp2_native.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "1", "--port", str(_free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "plan 'native:auto'" in done.stdout and "step 0: loss" in done.stdout

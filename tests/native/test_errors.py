@@ -141,3 +141,11 @@ def test_plan_file_round_trip_and_mismatch(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(remat.PlanFileError, match="not readable"):
         remat.apply(_gpt()[0], tokens, plan=tmp_path / "bad.json")
+
+
+def test_explain_reports_each_block() -> None:
+    model, tokens = _gpt()
+    remat.apply(model, tokens, budget_bytes=10_000_000, plan="block")
+    text = remat.explain(model, width=100)
+    assert "blocks.0" in text and "blocks.1" in text
+    assert "optimizer state" in text and "step, as planned" in text

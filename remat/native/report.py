@@ -1,0 +1,53 @@
+"""``remat.explain(model)`` for a model prepared with :func:`remat.apply`: the device's memory
+and, per block, what its policy keeps and what its backward recomputes."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.table import Table
+
+from remat.budget import format_bytes as _bytes
+from remat.native.api import Applied
+
+
+def explain_applied(state: Applied, *, width: int = 120) -> str:
+    """The report as text (rich tables rendered at ``width`` columns)."""
+    plan = state.plan
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False)
+    memory = Table(title="memory per device", title_justify="left")
+    for col in ("what", "bytes", "note"):
+        memory.add_column(col, justify="right" if col == "bytes" else "left")
+    mem = plan.device_memory
+    if mem is not None:
+        memory.add_row("parameters", _bytes(mem["parameters"]), "held across steps")
+        memory.add_row("optimizer state", _bytes(mem["optimizer_state"]), "held across steps")
+        if mem["gradient_shards"]:
+            memory.add_row("gradient shards", _bytes(mem["gradient_shards"]), "ZeRO >= 2")
+    memory.add_row("step, no checkpoint", _bytes(state.eager_peak_bytes), "every block eager")
+    memory.add_row(
+        "step, as planned", _bytes(plan.predicted_peak_bytes), f"at {plan.simulation.peak_step}"
+    )
+    if mem is not None:
+        memory.add_row("reserve", _bytes(mem["reserve"]), "allocator, workspaces")
+        memory.add_row("total", _bytes(mem["total"]), f"budget {_bytes(mem['budget'])}")
+    console.print(memory)
+
+    blocks = Table(title="plan by block", title_justify="left")
+    for col in ("block", "option", "keeps", "recompute ms"):
+        blocks.add_column(col, justify="right" if col == "recompute ms" else "left")
+    options = state.options or ("",) * len(state.blocks)
+    times = state.block_recompute_s or (0.0,) * len(state.blocks)
+    for path, policy, option, t in zip(state.blocks, state.policies, options, times, strict=True):
+        keeps = "everything autograd saves" if policy is None else f"{len(policy)} op outputs"
+        blocks.add_row(path, option, keeps, f"{t * 1e3:.3f}")
+    console.print(blocks)
+    sim = plan.simulation
+    share = sim.recompute_time_s / sim.step_time_s if sim.step_time_s else 0.0
+    console.print(
+        f"{len(plan.recomputed)} ops recomputed ({sim.recompute_flops / 1e9:,.2f} GFLOP, "
+        f"{share:.2%} of the estimated step); outside the blocks: eager. {plan.reason}"
+    )
+    return buf.getvalue()
