@@ -15,8 +15,11 @@
    (:func:`remat.solver.chain.chain_dp`) picks one option per block under the budget.
 4. **The trace has the last word.** The stitched choice is traced; when its peak is over the
    budget (the additive model is an approximation where blocks meet), the DP runs again for a
-   budget smaller by the excess. Candidates found for smaller budgets on a fixed grid between
-   the least and the keep-all peaks are kept too, so a larger budget never costs more.
+   budget smaller by the excess. The DP also runs for the budgets of a fixed grid between the
+   least and the keep-all peaks below the budget, and the cheapest traced plan that fits
+   wins: a larger budget sees every grid plan a smaller one saw (only the plan solved for the
+   smaller budget itself may be missing), which keeps the cost non-increasing in practice
+   (the tests check it on the zoo), not by proof.
 """
 
 from __future__ import annotations
