@@ -17,7 +17,6 @@ the order torchtitan uses (checkpoint, then compile, then shard).
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import re
 from collections import Counter
@@ -35,6 +34,7 @@ from torch.utils.checkpoint import (
 )
 
 from remat import _torch_compat as tc
+from remat.solver.blocks import matches
 
 OpKey = tuple[str, int]
 """``(ATen overload name, call index within the region's forward)``."""
@@ -62,7 +62,7 @@ def find_blocks(model: nn.Module, block_types: tuple[str, ...] = ()) -> tuple[st
         chosen = [
             path
             for path, m in modules.items()
-            if path and _matches(path, type(m).__name__, block_types)
+            if path and matches(path, type(m).__name__, block_types)
         ]
         outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen)]
         if not outermost:
@@ -84,10 +84,6 @@ def find_blocks(model: nn.Module, block_types: tuple[str, ...] = ()) -> tuple[st
         )
     prefix, _ = max(lists.items(), key=lambda kv: (kv[1], -len(kv[0])))
     return tuple(p for p in modules if (m := _INDEXED.match(p)) and m.group(1) == prefix)
-
-
-def _matches(path: str, cls: str, patterns: tuple[str, ...]) -> bool:
-    return any(cls == p or fnmatch.fnmatchcase(path, p) for p in patterns)
 
 
 @dataclass

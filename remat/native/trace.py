@@ -98,7 +98,8 @@ class StepTrace:
 
 
 class TraceError(RuntimeError):
-    """The step cannot run on FakeTensors (a data-dependent op, say)."""
+    """The training step failed while remat traced it (on FakeTensors, an op whose output
+    shape depends on values, say); the message names the op, the block and the module."""
 
 
 class _Recorder(LiveMemoryMeter):
@@ -136,9 +137,8 @@ class _Recorder(LiveMemoryMeter):
         new_bytes = self.live_bytes - before
         ins = {tc.storage_key(t) for t in in_tensors}
         out_keys = [tc.storage_key(t) for t in outs]
-        written = _written_storages(func, args, kwargs) if func._schema.is_mutable else set()
-        if func in _UNANNOTATED_WRITES:
-            written = _written_storages(func, args, kwargs)
+        writes = func._schema.is_mutable or func in _UNANNOTATED_WRITES
+        written = _written_storages(func, args, kwargs) if writes else set()
         mutable = bool(written)
         in_block_forward = self.block >= 0 and self.phase == "forward" and not self.recompute
         key = None

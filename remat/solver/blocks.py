@@ -17,7 +17,9 @@ from remat.problem import Problem, Value
 _INDEXED = re.compile(r"^(.*)\.(\d+)$")
 
 
-def _matches(path: str, cls: str, patterns: tuple[str, ...]) -> bool:
+def matches(path: str, cls: str, patterns: tuple[str, ...]) -> bool:
+    """A module (its path and class name) is named by one of ``patterns`` (class names, or
+    path patterns with ``*``)."""
     return any(cls == p or fnmatch.fnmatchcase(path, p) for p in patterns)
 
 
@@ -28,7 +30,7 @@ def block_of(problem: Problem, block_types: tuple[str, ...] = ()) -> Mapping[str
             path
             for v in problem.values
             for path, cls in v.module_stack
-            if _matches(path, cls, block_types)
+            if matches(path, cls, block_types)
         }
     else:
         lists: Counter[str] = Counter()
