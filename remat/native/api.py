@@ -41,7 +41,7 @@ class Applied:
     blocks: tuple[str, ...]
     policies: tuple[Policy, ...]
     timings: Mapping[str, float]
-    """Seconds spent tracing the eager step and solving (tracing every candidate)."""
+    """Seconds spent planning (``plan``: tracing the eager step, then every candidate)."""
     use_cache: bool | None = None
     """The model's ``config.use_cache`` before ``apply`` turned it off."""
     fingerprint: str = ""
@@ -135,40 +135,23 @@ def apply(
     t0 = time.perf_counter()
     blocks = regions.find_blocks(model, tuple(block_types))
     use_cache = _disable_kv_cache(model)
-    autocast = AUTOCAST[precision]
-    fsdp = world_size if zero_stage == 3 and world_size > 1 else None
-    fake = FakeModel(model, blocks, fsdp_world=fsdp)
     try:
-        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
-    except TraceError as e:
-        if not _real_fallback(model):
-            raise
-        if progress:
-            progress(f"tracing on a real copy of the model: {e}")
-        fake = FakeModel(model, blocks, real=True)
-        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
-
-    def tracer(policies: Any) -> Any:
-        return fake.trace(args, kwargs, policies, profile=profile, autocast=autocast)
-
-    t1 = time.perf_counter()
-    try:
-        if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
-            solution = _from_file(problem, plan, tracer)
-        elif plan is not None:
-            solution = planner.fixed(problem, plan, tracer)
-            if step_budget is not None and solution.trace.peak_bytes > step_budget:
-                raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
-        else:
-            solution = planner.solve(problem, tracer, budget_bytes=step_budget, config=config)
+        fsdp = world_size if zero_stage == 3 and world_size > 1 else None
+        problem, solution = _plan(
+            model, blocks, args, kwargs, plan, step_budget, profile, precision, fsdp, config
+        )
     except BudgetError as e:
+        _restore_kv_cache(model, use_cache)
         if device is None:
             raise
         raise DeviceBudgetError(device, e) from None
+    except BaseException:
+        _restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
+        raise
+    t1 = time.perf_counter()
     chosen = planner.to_plan(problem, solution)
     if device is not None:
         chosen = replace(chosen, device_memory=device.breakdown(chosen))
-    t2 = time.perf_counter()
 
     modules = dict(model.named_modules())
     for path, policy in zip(blocks, solution.policies, strict=True):
@@ -177,7 +160,7 @@ def apply(
         chosen,
         blocks,
         solution.policies,
-        {"trace": t1 - t0, "solve": t2 - t1},
+        {"plan": t1 - t0},
         use_cache,
         planner.fingerprint(problem),
         {"model": type(model).__name__, "precision": precision, "device_profile": profile.name},
@@ -186,6 +169,44 @@ def apply(
         tuple(planner.costs(solution.trace).time_s),
     )
     return model
+
+
+def _plan(
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    plan: str | Path | None,
+    step_budget: int | None,
+    profile: DeviceProfile,
+    precision: str,
+    fsdp: int | None,
+    config: SolverConfig,
+) -> tuple[planner.NativeProblem, planner.Solution]:
+    """Trace the step with every block eager, then solve (or load, or fix) the policies."""
+    autocast = AUTOCAST[precision]
+    fake = FakeModel(model, blocks, fsdp_world=fsdp)
+    try:
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+    except TraceError as e:
+        if not _real_fallback(model):
+            raise
+        if config.progress:
+            config.progress(f"tracing on a real copy of the model: {e}")
+        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp)
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+
+    def tracer(policies: Any) -> Any:
+        return fake.trace(args, kwargs, policies, profile=profile, autocast=autocast)
+
+    if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
+        return problem, _from_file(problem, plan, tracer)
+    if plan is not None:
+        solution = planner.fixed(problem, plan, tracer)
+        if step_budget is not None and solution.trace.peak_bytes > step_budget:
+            raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
+        return problem, solution
+    return problem, planner.solve(problem, tracer, budget_bytes=step_budget, config=config)
 
 
 def save_plan(model: nn.Module, path: str | Path) -> Path:
@@ -223,6 +244,11 @@ def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) ->
         f"loaded from {path} ({f.reason})",
         tuple("from file" for _ in policies),
     )
+
+
+def _restore_kv_cache(model: nn.Module, previous: bool | None) -> None:
+    if previous is not None:
+        model.config.use_cache = previous  # type: ignore[union-attr]
 
 
 def _real_fallback(model: nn.Module) -> bool:
@@ -267,8 +293,7 @@ def unapply(model: nn.Module) -> nn.Module:
     for m, _ in list(regions.iter_regions(model)):
         regions.unwrap(m)
     state = model.__dict__.pop(_STATE)
-    if state.use_cache is not None:
-        model.config.use_cache = state.use_cache  # type: ignore[union-attr]
+    _restore_kv_cache(model, state.use_cache)
     return model
 
 

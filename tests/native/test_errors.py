@@ -118,6 +118,10 @@ def test_hf_kv_cache_off_and_restored() -> None:
     assert not model.config.use_cache
     remat.unapply(model)
     assert model.config.use_cache
+    with pytest.raises(remat.BudgetError):  # a failed apply leaves the model as it was
+        remat.apply(model, torch.randint(0, 64, (2, 16)), activation_budget_bytes=1)
+    assert model.config.use_cache
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_plan_file_round_trip_and_mismatch(tmp_path: Path) -> None:
