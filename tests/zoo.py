@@ -76,39 +76,40 @@ class TiedAutoencoder(nn.Module):
         return self.dec(h)
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(layers: int = 2, positions: int = 64) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    cfg = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=128, n_positions=positions)
     return GPT2LMHeadModel(cfg)
 
 
-def _llama() -> nn.Module:
+def llama(layers: int = 2, positions: int = 64) -> nn.Module:
+    """Grouped-query attention (2 key/value heads for 4 query heads), attention dropout."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=128,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
         attention_dropout=0.1,
     )
     return LlamaForCausalLM(cfg)
 
 
-def _bert() -> nn.Module:
+def _bert(layers: int = 2, positions: int = 64) -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,
         vocab_size=128,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
     )
     return BertForMaskedLM(cfg)
 
@@ -124,7 +125,7 @@ def _vectors(n: int) -> Callable[[], tuple[Any, ...]]:
 ZOO: tuple[Case, ...] = (
     Case("tiny_gpt", lambda: TinyGPT(vocab=128, dim=64, heads=4, layers=2, seq=32), _tokens(128)),
     Case("hf_gpt2", _gpt2, _tokens(128)),
-    Case("hf_llama", _llama, _tokens(128)),
+    Case("hf_llama", llama, _tokens(128)),
     Case("hf_bert", _bert, _tokens(128)),
     Case("cnn_bn", ConvBN, _images),
     Case("tuple_out", TwoHeads, _vectors(32)),
@@ -151,53 +152,15 @@ def _mixtral() -> nn.Module:
     return MixtralForCausalLM(cfg)
 
 
-def _gpt2_native() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=128)
-    return GPT2LMHeadModel(cfg)
-
-
-def _llama_gqa() -> nn.Module:
-    """Grouped-query attention (2 key/value heads for 4 query heads), attention dropout."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=3,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=128,
-        attention_dropout=0.1,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def _bert_native() -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
-
-    cfg = BertConfig(
-        num_hidden_layers=3,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        vocab_size=128,
-        max_position_embeddings=128,
-    )
-    return BertForMaskedLM(cfg)
-
-
 NATIVE_ZOO: tuple[Case, ...] = (
     Case(
         "tiny_gpt",
         lambda: TinyGPT(vocab=128, dim=64, heads=4, layers=3, seq=128),
         _tokens(128, batch=4, seq=128),
     ),
-    Case("hf_gpt2", _gpt2_native, _tokens(128, batch=4, seq=128)),
-    Case("hf_llama_gqa", _llama_gqa, _tokens(128, batch=4, seq=128)),
-    Case("hf_bert", _bert_native, _tokens(128, batch=4, seq=128)),
+    Case("hf_gpt2", lambda: _gpt2(3, 128), _tokens(128, batch=4, seq=128)),
+    Case("hf_llama_gqa", lambda: llama(3, 128), _tokens(128, batch=4, seq=128)),
+    Case("hf_bert", lambda: _bert(3, 128), _tokens(128, batch=4, seq=128)),
     Case("hf_mixtral_moe", _mixtral, _tokens(128, batch=4, seq=128)),
     Case(
         "resnet_bn",

@@ -11,23 +11,12 @@ from torch import nn
 
 import remat
 from tests.checks import assert_trains_like_eager
+from tests.zoo import llama
 
 
 def _llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-    )
-    return LlamaForCausalLM(cfg)
+    return llama()
 
 
 class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
