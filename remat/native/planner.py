@@ -246,6 +246,7 @@ def solve(
         key = tuple(min(o, len(options_of[k]) - 1) for k, o in enumerate(choice))
         if key not in found:
             found[key] = tracer(policies(key))
+            progress(f"native: {len(found)} plans traced, {time.perf_counter() - t0:.0f} s")
         return found[key]
 
     uniform = [run([o] * n) for o in range(n_opts)]
