@@ -108,13 +108,10 @@ def optimize(
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
     )
-    device = _device_budget(model, budget_gb, budget_bytes, options, reserve_fraction)
-    if device is not None and activation_budget_bytes is not None:
-        raise ValueError("pass a device budget (budget_gb/budget_bytes) or activation_budget_bytes")
-    step_budget = device.step_budget_bytes if device is not None else activation_budget_bytes
-    if isinstance(device_profile, str) and device_profile == "auto":
-        first = next(iter(model.parameters()), None)
-        device_profile = auto_profile_name(first.device if first is not None else _CPU)
+    device, step_budget = resolve_budget(
+        model, budget_gb, budget_bytes, options, reserve_fraction, activation_budget_bytes
+    )
+    device_profile = resolve_profile(model, device_profile)
 
     def planner(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Compiled:
         analysis = analyze(
@@ -154,6 +151,30 @@ def optimize(
 
 
 _CPU = torch.device("cpu")
+
+
+def resolve_budget(
+    model: nn.Module,
+    budget_gb: float | None,
+    budget_bytes: int | None,
+    options: Options,
+    reserve_fraction: float,
+    activation_budget_bytes: int | None,
+) -> tuple[DeviceBudget | None, int | None]:
+    """The whole-device budget (if one was given) and the bound on the step's peak it leaves,
+    or ``activation_budget_bytes``: what :func:`optimize` and :func:`remat.apply` plan for."""
+    device = _device_budget(model, budget_gb, budget_bytes, options, reserve_fraction)
+    if device is not None and activation_budget_bytes is not None:
+        raise ValueError("pass a device budget (budget_gb/budget_bytes) or activation_budget_bytes")
+    return device, device.step_budget_bytes if device is not None else activation_budget_bytes
+
+
+def resolve_profile(model: nn.Module, device_profile: str | DeviceProfile) -> str | DeviceProfile:
+    """``auto``: the profile of the device the model's parameters are on."""
+    if isinstance(device_profile, str) and device_profile == "auto":
+        first = next(iter(model.parameters()), None)
+        return auto_profile_name(first.device if first is not None else _CPU)
+    return device_profile
 
 
 def _device_budget(

@@ -46,7 +46,7 @@ class LiveMemoryMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        self._count(_leaf_tensors((args, kwargs)), _leaf_tensors(out))
+        self._count(output_tensors((args, kwargs)), output_tensors(out))
         return out
 
     def _count(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
@@ -62,10 +62,6 @@ class LiveMemoryMeter(TorchDispatchMode):
             self.live_bytes += nbytes
             weakref.finalize(storage, self._free, key, nbytes)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-
-def _leaf_tensors(x: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def allocator_peak_bytes(step: Callable[[], Any]) -> int:
@@ -104,6 +100,7 @@ class StepMeasurement:
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensor leaves of ``out`` (any pytree: an op's output or its arguments)."""
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from remat._torch_compat import is_fake
-from remat.api import _as_args, _device_budget
+from remat.api import _as_args, resolve_budget, resolve_profile
 from remat.budget import DEFAULT_RESERVE, DeviceBudgetError, Options
-from remat.graph.profiles import DeviceProfile, auto_profile_name, get_profile
+from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
 from remat.native.regions import BlockError, Policy
 from remat.native.trace import FakeModel, TraceError
@@ -120,14 +120,10 @@ def apply(
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
     )
-    device = _device_budget(model, budget_gb, budget_bytes, options, reserve_fraction)
-    if device is not None and activation_budget_bytes is not None:
-        raise ValueError("pass a device budget (budget_gb/budget_bytes) or activation_budget_bytes")
-    step_budget = device.step_budget_bytes if device is not None else activation_budget_bytes
-    if isinstance(device_profile, str) and device_profile == "auto":
-        first = next(iter(model.parameters()), None)
-        device_profile = auto_profile_name(first.device if first is not None else _CPU)
-    profile = get_profile(device_profile)
+    device, step_budget = resolve_budget(
+        model, budget_gb, budget_bytes, options, reserve_fraction, activation_budget_bytes
+    )
+    profile = get_profile(resolve_profile(model, device_profile))
     config = SolverConfig(
         time_limit_s=time_limit_s, block_types=tuple(block_types), progress=progress
     )
@@ -268,9 +264,6 @@ def _disable_kv_cache(model: nn.Module) -> bool | None:
     if previous:
         config.use_cache = False  # type: ignore[union-attr]
     return previous if isinstance(previous, bool) else None
-
-
-_CPU = torch.device("cpu")
 
 
 def applied(model: nn.Module) -> Applied:

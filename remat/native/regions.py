@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,15 +33,13 @@ from torch.utils.checkpoint import (
 )
 
 from remat import _torch_compat as tc
-from remat.solver.blocks import matches
+from remat.solver.blocks import INDEXED, matches
 
 OpKey = tuple[str, int]
 """``(ATen overload name, call index within the region's forward)``."""
 
 Policy = frozenset[OpKey] | None
 """The ops a region keeps; ``None``: the block runs eagerly, without a checkpoint."""
-
-_INDEXED = re.compile(r"^(.*)\.(\d+)$")
 
 
 class BlockError(ValueError):
@@ -74,7 +71,7 @@ def find_blocks(model: nn.Module, block_types: tuple[str, ...] = ()) -> tuple[st
     lists = Counter(
         m.group(1)
         for path in modules
-        if (m := _INDEXED.match(path)) and isinstance(modules.get(m.group(1)), nn.ModuleList)
+        if (m := INDEXED.match(path)) and isinstance(modules.get(m.group(1)), nn.ModuleList)
     )
     if not lists or max(lists.values()) < 2:
         raise BlockError(
@@ -83,7 +80,7 @@ def find_blocks(model: nn.Module, block_types: tuple[str, ...] = ()) -> tuple[st
             "patterns, e.g. block_types=('DecoderLayer',) or ('layers.*',))"
         )
     prefix, _ = max(lists.items(), key=lambda kv: (kv[1], -len(kv[0])))
-    return tuple(p for p in modules if (m := _INDEXED.match(p)) and m.group(1) == prefix)
+    return tuple(p for p in modules if (m := INDEXED.match(p)) and m.group(1) == prefix)
 
 
 @dataclass

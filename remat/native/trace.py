@@ -33,7 +33,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from remat import _torch_compat as tc
 from remat.graph.costs import op_time
 from remat.graph.profiles import DeviceProfile
-from remat.meter import LiveMemoryMeter, training_step
+from remat.meter import LiveMemoryMeter, output_tensors, training_step
 from remat.native import regions
 from remat.native.hf import real_packing_check
 from remat.native.regions import OpKey, Policy, Region
@@ -132,7 +132,7 @@ class _Recorder(LiveMemoryMeter):
         kwargs = kwargs or {}
         before = self.live_bytes
         out = func(*args, **kwargs)
-        in_tensors, outs = _tensors((args, kwargs)), _tensors(out)
+        in_tensors, outs = output_tensors((args, kwargs)), output_tensors(out)
         self._count(in_tensors, outs)
         new_bytes = self.live_bytes - before
         ins = {tc.storage_key(t) for t in in_tensors}
@@ -205,12 +205,8 @@ def _written_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
         if not declared and k not in _UNANNOTATED_WRITES.get(func, ()):
             continue
         value = args[k] if k < len(args) else kwargs.get(arg.name)
-        out.update(tc.storage_key(t) for t in _tensors(value))
+        out.update(tc.storage_key(t) for t in output_tensors(value))
     return out
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 class FakeModel:
@@ -357,7 +353,7 @@ def _labels(module: nn.Module, k: int, recorder: _Recorder) -> Iterator[None]:
             return
         recorder.block = -1
         recorder.fwd_live[k] = (recorder.fwd_live[k][0], recorder.live_bytes)
-        for t in _tensors(out):
+        for t in output_tensors(out):
             if t.requires_grad:
                 t.register_hook(_starts_backward(recorder, k))
 

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 from remat.problem import Problem, Value
 
-_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+INDEXED = re.compile(r"^(.*)\.(\d+)$")
+"""A module path ending in a list index (``model.layers.3``): (list path, index)."""
 
 
 def matches(path: str, cls: str, patterns: tuple[str, ...]) -> bool:
@@ -37,7 +38,7 @@ def block_of(problem: Problem, block_types: tuple[str, ...] = ()) -> Mapping[str
         seen: set[str] = set()
         for v in problem.values:
             for path, _ in v.module_stack:
-                m = _INDEXED.match(path)
+                m = INDEXED.match(path)
                 if m and path not in seen:
                     seen.add(path)
                     lists[m.group(1)] += 1
@@ -46,7 +47,7 @@ def block_of(problem: Problem, block_types: tuple[str, ...] = ()) -> Mapping[str
         prefix, count = max(lists.items(), key=lambda kv: (kv[1], -len(kv[0])))
         if count < 2:
             return {v.name: None for v in problem.values}
-        chosen = {p for p in seen if _INDEXED.match(p) and _INDEXED.match(p).group(1) == prefix}  # type: ignore[union-attr]
+        chosen = {p for p in seen if INDEXED.match(p) and INDEXED.match(p).group(1) == prefix}  # type: ignore[union-attr]
     return {v.name: _outermost(v, chosen) for v in problem.values}
 
 
