@@ -111,20 +111,21 @@ def training_step(
     *,
     seed: int = 0,
     autocast: torch.dtype | None = None,
-    on_backward: Callable[[], None] | None = None,
+    on_backward: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Forward, then backward with dense random output gradients (as a loss such as
     cross-entropy produces), drawn from their own generator so the global random stream is
     untouched. The outputs stay alive until the backward has run, as in a training loop.
     Gradients accumulate into ``.grad``. ``autocast``: run the forward (not the backward, as
     PyTorch recommends) under ``torch.autocast`` with this dtype. ``on_backward`` is called
-    between the forward and the output gradients (tracers mark the phase with it)."""
+    with the outputs between the forward and the output gradients (tracers mark the phase
+    with it)."""
     gen = torch.Generator().manual_seed(seed)
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
         out = output_tensors(module(*args, **(kwargs or {})))
     if on_backward is not None:
-        on_backward()
+        on_backward(out)
     diff = [t for t in out if t.requires_grad]
     tangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in diff]
     torch.autograd.backward(diff, tangents)

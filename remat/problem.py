@@ -58,6 +58,12 @@ class Value:
     stack of the forward op they differentiate."""
     shape: tuple[int, ...] = ()
     """Shape of the (first) tensor this value holds; empty for scalars and non-tensors."""
+    savable: bool = True
+    """The executor can keep this value (``"sac"``: it owns new storage and nothing mutates
+    it later in its region)."""
+    region: str = ""
+    """The checkpoint region a forward value runs in (``"sac"`` problems: the block's path),
+    or the region whose backward a backward value belongs to; empty outside regions."""
 
     def __post_init__(self) -> None:
         if not set(self.allocates) <= set(self.storages):
@@ -86,8 +92,15 @@ class Problem:
     each leaves as it is produced (ZeRO 2-3 reduce-scatters it), so it is freed at creation."""
     device_profile: str = "cpu"
     metadata: Mapping[str, str] = field(default_factory=dict)
+    executor: str = "graph"
+    """Which executor runs the plan, and so when values are materialised and freed (see
+    :mod:`remat.solver.executor`): ``"graph"``, remat's own forward/backward graphs over this
+    joint graph; ``"sac"``, PyTorch's checkpoint with a selective policy per region, on the
+    op stream the regions run eagerly."""
 
     def __post_init__(self) -> None:
+        if self.executor not in ("graph", "sac"):
+            raise ValueError(f"unknown executor {self.executor!r}; valid: graph, sac")
         seen: set[str] = set()
         for v in self.values:
             for i in v.inputs:

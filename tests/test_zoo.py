@@ -81,9 +81,11 @@ def test_chen_finds_the_block_boundaries_of_hf_gpt2() -> None:
 @pytest.mark.parametrize(
     "case", [c for c in ZOO if c.name in ("hf_gpt2", "hf_llama", "cnn_bn")], ids=lambda c: c.name
 )
-def test_optimizing_solvers_at_five_budgets(case: Case, solver: str) -> None:
-    """From the least peak found to keep_all's: bitwise, measured == predicted, within budget,
-    and (for the exact MILP) proven optimal costs never growing with the budget."""
+def test_optimizing_solvers_at_three_budgets(case: Case, solver: str) -> None:
+    """The least peak found, keep_all's and halfway: bitwise, measured == predicted, within
+    budget, and (for the exact MILP) proven optimal costs never growing with the budget.
+    (Three budgets, not five: the MILP spends its whole limit on each unproven one, and CI
+    has 20 minutes; the sweep property is tested densely in test_closed_form.py.)"""
     torch.manual_seed(0)
     model = case.build()
     problem = remat.analyze(model, case.inputs(), case.kwargs).problem
@@ -92,7 +94,7 @@ def test_optimizing_solvers_at_five_budgets(case: Case, solver: str) -> None:
         solve(problem, solver="auto", budget_bytes=0, config=SolverConfig(time_limit_s=LIMIT))
     least = err.value.least_peak_bytes
     costs = []
-    for k in range(5):
+    for k in (0, 2, 4):
         budget = least + (keep_all - least) * k // 4
         try:
             result = assert_trains_like_eager(

@@ -29,6 +29,11 @@ from remat.pipeline import AUTOCAST
 from remat.planfile import NATIVE, PlanFileError, document, read_plan, write_document
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.plan import Plan
+from remat.solver.registry import FIXED_LIFETIME_SOLVERS
+
+NATIVE_SOLVERS = tuple(FIXED_LIFETIME_SOLVERS)
+"""Solvers ``remat.apply(..., solver=)`` takes besides ``auto``: those that plan for the
+``sac`` executor (fixed lifetimes)."""
 
 _STATE = "_remat_native"
 
@@ -93,7 +98,11 @@ def apply(
     fixed plan, ``keep_all`` (no checkpoint), ``keep_matmuls`` (each block keeps its matmul
     and attention outputs) or ``block`` (each block recomputed whole); or a plan file from
     :func:`save_plan`, re-applied without solving (one solved for other blocks or shapes
-    raises :class:`remat.PlanFileError`). ``solver``: ``auto``.
+    raises :class:`remat.PlanFileError`). ``solver``: ``auto`` (the chain DP over per-block menus,
+    each option traced, and the exact MILP on the step's dataflow; the cheapest traced plan
+    that fits), or one of remat's solvers planning for PyTorch's checkpoint executor
+    (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``, ``chen_greedy``, ...: see
+    :mod:`remat.solver.executor`), its plan traced and re-solved for less while over budget.
     ``block_types``: class names or path patterns of the blocks (default: the children of the
     largest ModuleList).
 
@@ -111,8 +120,10 @@ def apply(
     _check_unwrapped(model)
     if plan is not None and (solver is not None or activation_budget_bytes is not None):
         raise ValueError("pass either plan= or solver=/activation_budget_bytes=, not both")
-    if solver not in (None, "auto"):
-        raise ValueError(f"unknown native solver {solver!r}; valid: auto")
+    if solver not in (None, "auto", *NATIVE_SOLVERS):
+        raise ValueError(
+            f"unknown native solver {solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"
+        )
     if precision not in AUTOCAST:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
     args = _as_args(example_inputs)
@@ -134,7 +145,7 @@ def apply(
     try:
         fsdp = world_size if zero_stage == 3 and world_size > 1 else None
         problem, solution = _plan(
-            model, blocks, args, kwargs, plan, step_budget, profile, precision, fsdp, config
+            model, blocks, args, kwargs, plan, step_budget, profile, precision, fsdp, config, solver
         )
     except BudgetError as e:
         _restore_kv_cache(model, use_cache)
@@ -178,6 +189,7 @@ def _plan(
     precision: str,
     fsdp: int | None,
     config: SolverConfig,
+    solver: str | None = None,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every block eager, then solve (or load, or fix) the policies."""
     autocast = AUTOCAST[precision]
@@ -202,7 +214,9 @@ def _plan(
         if step_budget is not None and solution.trace.peak_bytes > step_budget:
             raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
         return problem, solution
-    return problem, planner.solve(problem, tracer, budget_bytes=step_budget, config=config)
+    return problem, planner.solve(
+        problem, tracer, budget_bytes=step_budget, config=config, solver=solver or "auto"
+    )
 
 
 def save_plan(model: nn.Module, path: str | Path) -> Path:

@@ -20,10 +20,20 @@
    wins: a larger budget sees every grid plan a smaller one saw (only the plan solved for the
    smaller budget itself may be missing), which keeps the cost non-increasing in practice
    (the tests check it on the zoo), not by proof.
+5. **The solvers, for this executor.** The baseline step's dataflow is a
+   :class:`remat.Problem` for the ``sac`` executor (:mod:`remat.native.dataflow`,
+   :mod:`remat.solver.executor`), finer than the menus: any op of any block may be kept, and
+   any block left without checkpoint. The MILP over its fixed lifetimes
+   (:mod:`remat.solver.spans`) plans on it with the time left; its plan is traced too, and
+   re-solved for less while the trace is over. ``auto`` returns the cheaper of the two
+   traced plans; ``solver=`` picks one of remat's solvers alone (:func:`planned`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -34,10 +44,14 @@ from typing import Any
 import torch
 
 from remat.graph.profiles import DeviceProfile
+from remat.native.dataflow import problem_of
 from remat.native.regions import OpKey, Policy
 from remat.native.trace import FakeModel, OpEvent, StepTrace
+from remat.problem import Problem
+from remat.solver import registry
 from remat.solver.chain import ChainCosts, chain_dp
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.executor import executor_of
 from remat.solver.plan import Plan
 from remat.solver.schedule import Schedule
 from remat.solver.simulate import Simulation, TimelineStep
@@ -68,6 +82,12 @@ class NativeProblem:
     """Per class (by its first block), that block's keyed forward ops."""
     baseline: StepTrace
     """The step with every block eager."""
+    device_profile: str = "cpu"
+
+    @functools.cached_property
+    def dataflow(self) -> Problem:
+        """The baseline step as a problem for the ``sac`` executor (the solvers' view)."""
+        return problem_of(self.baseline, self.device_profile)
 
     def class_of(self, block: int) -> int:
         return next(c[0] for c in self.classes if block in c)
@@ -97,7 +117,9 @@ def analyze(
         sig = tuple((e.key, e.new_bytes, e.savable) for e in stream)
         groups.setdefault(sig, []).append(k)
         streams.setdefault(groups[sig][0], stream)
-    return NativeProblem(fake.blocks, tuple(tuple(g) for g in groups.values()), streams, baseline)
+    return NativeProblem(
+        fake.blocks, tuple(tuple(g) for g in groups.values()), streams, baseline, profile.name
+    )
 
 
 def menu(stream: Sequence[OpEvent]) -> list[Option]:
@@ -220,8 +242,13 @@ def solve(
     *,
     budget_bytes: int | None,
     config: SolverConfig,
+    solver: str = "auto",
 ) -> Solution:
-    """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring)."""
+    """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring).
+    ``solver``: ``auto``, or one of remat's solvers, which plan on the step's dataflow for
+    the ``sac`` executor (:func:`planned`)."""
+    if solver != "auto":
+        return planned(problem, tracer, solver, budget_bytes=budget_bytes, config=config)
     if budget_bytes is None:
         return fixed(problem, "keep_all", tracer)
     if problem.baseline.peak_bytes <= budget_bytes:  # nothing to recompute: nothing is cheaper
@@ -229,7 +256,48 @@ def solve(
         reason = "every block runs eagerly (no checkpoint): the step fits the budget as it is"
         return Solution((None,) * n, problem.baseline, "auto", reason, ("eager",) * n)
     t0 = time.perf_counter()
-    deadline = t0 + config.time_limit_s
+    progress = config.progress or (lambda _: None)
+    chain, traced = _chain(problem, tracer, budget_bytes, config, t0 + config.time_limit_s)
+    milp: Solution | None = None
+    left = t0 + config.time_limit_s - time.perf_counter()
+    if left > 0:
+        progress("native: the exact MILP on the step's dataflow (sac executor)")
+        milp_config = dataclasses.replace(config, time_limit_s=left)
+        with contextlib.suppress(BudgetError):
+            milp = planned(problem, tracer, "exact", budget_bytes=budget_bytes, config=milp_config)
+    took = f"{time.perf_counter() - t0:.1f} s"
+    if isinstance(chain, BudgetError):
+        if milp is None:
+            raise chain
+        return dataclasses.replace(
+            milp, solver="auto", reason=f"{milp.reason}; no chain DP plan fits; {took}"
+        )
+    if milp is None or _cost(milp) >= _cost(chain):
+        also = (
+            f"; the exact MILP's plan was not cheaper ({_ms(milp)} against {_ms(chain)} of "
+            "recompute)"
+            if milp is not None
+            else ""
+        )
+        return dataclasses.replace(chain, reason=f"{chain.reason}{also}; {took}")
+    why = f"{_ms(milp)} of recompute against the chain DP's best, {_ms(chain)} ({traced} traced)"
+    return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {why}; {took}")
+
+
+def _cost(solution: Solution) -> tuple[float, int]:
+    return solution.trace.recompute_time_s, solution.trace.peak_bytes
+
+
+def _ms(solution: Solution) -> str:
+    return f"{solution.trace.recompute_time_s * 1e3:.3f} ms"
+
+
+def _chain(
+    problem: NativeProblem, tracer: Tracer, budget_bytes: int, config: SolverConfig, deadline: float
+) -> tuple[Solution | BudgetError, int]:
+    """The chain DP's cheapest traced plan that fits (or the error saying none does), and
+    how many plans it traced."""
+    t0 = time.perf_counter()
     n = len(problem.blocks)
     menus = {c[0]: menu(problem.streams[c[0]]) for c in problem.classes}
     options_of = [menus[problem.class_of(k)] for k in range(n)]
@@ -261,15 +329,55 @@ def solve(
         _fit(table, target, n, run)
     fitting = [(c, t) for c, t in found.items() if t.peak_bytes <= budget_bytes]
     if not fitting:
-        raise BudgetError(budget_bytes, min(t.peak_bytes for t in found.values()), "native SAC")
+        least_found = min(t.peak_bytes for t in found.values())
+        return BudgetError(budget_bytes, least_found, "native SAC"), len(found)
     choice, trace = min(fitting, key=lambda ct: (ct[1].recompute_time_s, ct[1].peak_bytes))
     names = [options_of[k][o].name for k, o in enumerate(choice)]
     summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
     reason = (
         f"chain DP over {n} blocks ({n_opts} options per class, {len(found)} plans traced "
-        f"on FakeTensors): {summary}; {time.perf_counter() - t0:.1f} s"
+        f"on FakeTensors): {summary}"
     )
-    return Solution(tuple(policies(choice)), trace, "auto", reason, tuple(names))
+    return Solution(tuple(policies(choice)), trace, "auto", reason, tuple(names)), len(found)
+
+
+def planned(
+    problem: NativeProblem,
+    tracer: Tracer,
+    solver: str,
+    *,
+    budget_bytes: int | None,
+    config: SolverConfig,
+) -> Solution:
+    """``solver``'s plan for the step's dataflow under the ``sac`` executor, traced; while
+    the trace is over the budget (the dataflow's simulation is an approximation of the
+    executor, within a few percent), solved again for a budget smaller by the excess."""
+    sac = problem.dataflow
+    candidates = executor_of(sac).candidates(sac)
+    target = budget_bytes
+    peaks: list[int] = []
+    for _ in range(DP_ROUNDS):
+        try:
+            plan = registry.solve(sac, solver=solver, budget_bytes=target, config=config)
+        except BudgetError:
+            break
+        policies = policies_from_saved(problem, plan.saved & candidates)
+        trace = tracer(policies)
+        if budget_bytes is None or trace.peak_bytes <= budget_bytes:
+            names = (f"{solver} policy",) * len(policies)
+            return Solution(policies, trace, solver, f"{plan.reason}; traced", names)
+        peaks.append(trace.peak_bytes)
+        if config.progress:
+            config.progress(
+                f"native {solver}: traced peak {trace.peak_bytes / 2**30:.3f} GiB over the "
+                f"budget, {budget_bytes / 2**30:.3f} GiB (simulated "
+                f"{plan.predicted_peak_bytes / 2**30:.3f}): solving for less"
+            )
+        assert target is not None
+        target -= trace.peak_bytes - budget_bytes
+    assert budget_bytes is not None
+    least = fixed(problem, "block", tracer).trace.peak_bytes
+    raise BudgetError(budget_bytes, min([least, *peaks]), f"native SAC, solver {solver}")
 
 
 def _fit(

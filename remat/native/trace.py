@@ -22,7 +22,7 @@ import contextlib
 import copy
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +45,8 @@ class OpEvent:
 
     op: str
     phase: str
-    """``forward`` or ``backward`` (``runtime`` for the output gradients between them)."""
+    """``forward`` or ``backward`` (the output gradients drawn between them count as
+    backward)."""
     block: int
     """Index of the block it ran in (forward, or recomputation, or the block's backward
     ops); -1 outside blocks."""
@@ -66,6 +67,13 @@ class OpEvent:
     """A forward op of a block that writes in place to a tensor the block did not create
     (BatchNorm's running statistics): every policy keeps it, so the recomputation returns
     its cached outputs instead of updating the state a second time."""
+    reads: tuple[tuple[int, str], ...] = ()
+    """``(event, storage)`` for each storage (made during the step) this op read: the last
+    event whose output held it (its creator, or a later view of it or in-place write)."""
+    holds: tuple[str, ...] = ()
+    """Storages its outputs reference (made during the step), as step-unique names."""
+    creates: tuple[str, ...] = ()
+    """Storages it created (a subset of ``holds``)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,15 @@ class StepTrace:
     blocks: tuple[str, ...]
     forward_live: tuple[tuple[int, int], ...]
     """Per block, live bytes when its forward starts and when it has returned."""
+    storage_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Bytes of every storage named in the events' ``creates``."""
+    outputs: tuple[str, ...] = ()
+    """Storages of the model's outputs (held by the caller until the step ends)."""
+    live_at_end: frozenset[str] = frozenset()
+    """Storages still live when the backward has returned (the parameters' gradients)."""
+    deaths: Mapping[str, int] = field(default_factory=dict)
+    """Storage -> the first event after it was freed: where the program (its variables,
+    autograd's saved tensors) let go of it, which the dataflow alone does not say."""
 
     @property
     def peak_event(self) -> int:
@@ -127,6 +144,24 @@ class _Recorder(LiveMemoryMeter):
         forward created (keys are reused once a storage dies: reset per block)."""
         self.fwd_live: dict[int, tuple[int, int]] = {}
         """Block -> live bytes when its forward starts and when it returns."""
+        self.names: dict[int, str] = {}
+        """Storage key -> step-unique name, for the live storages made during the step."""
+        self.latest: dict[str, int] = {}
+        """Storage name -> the last row whose output holds it (it, a view, an in-place op)."""
+        self.storage_bytes: dict[str, int] = {}
+        self.outputs: tuple[str, ...] = ()
+
+        self.deaths: dict[str, int] = {}
+        """Storage name -> the row that ran next after it was freed."""
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if self._tracked.get(key) == nbytes and key in self.names:
+            self.deaths[self.names.pop(key)] = len(self.rows)
+        super()._free(key, nbytes)
+
+    def storage_names(self, tensors: Sequence[torch.Tensor]) -> list[str]:
+        keys = (tc.storage_key(t) for t in tensors)
+        return list(dict.fromkeys(self.names[k] for k in keys if k in self.names))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -137,6 +172,14 @@ class _Recorder(LiveMemoryMeter):
         new_bytes = self.live_bytes - before
         ins = {tc.storage_key(t) for t in in_tensors}
         out_keys = [tc.storage_key(t) for t in outs]
+        creates: list[str] = []
+        for k in dict.fromkeys(out_keys):
+            if k in self._tracked and k not in self.names:
+                name = self.names[k] = f"s{len(self.rows)}.{len(creates)}"
+                self.storage_bytes[name] = self._tracked[k]
+                creates.append(name)
+        reads = tuple((self.latest[n], n) for n in self.storage_names(in_tensors))
+        self.latest.update((n, len(self.rows)) for n in self.storage_names(outs))
         writes = func._schema.is_mutable or func in _UNANNOTATED_WRITES
         written = _written_storages(func, args, kwargs) if writes else set()
         mutable = bool(written)
@@ -169,6 +212,9 @@ class _Recorder(LiveMemoryMeter):
                 "time_s": 0.0 if view else time_s,
                 "savable": key is not None and bool(outs) and (outside or not (view or mutable)),
                 "writes_outside": outside,
+                "reads": reads,
+                "holds": tuple(self.storage_names(outs)),
+                "creates": tuple(creates),
             }
         )
         return out
@@ -290,8 +336,9 @@ class FakeModel:
             stack.enter_context(self.mode)
             stack.enter_context(recorder)
 
-            def backward_starts() -> None:
+            def backward_starts(outputs: Sequence[torch.Tensor]) -> None:
                 recorder.phase, recorder.block = "backward", -1
+                recorder.outputs = tuple(recorder.storage_names(outputs))
 
             stack.enter_context(torch.random.fork_rng(devices=[]))
             try:
@@ -302,6 +349,7 @@ class FakeModel:
                     autocast=autocast,
                     on_backward=backward_starts,
                 )
+                live_at_end = frozenset(recorder.names.values())
             except Exception as e:
                 raise _explain(e, recorder, self.real) from e
             finally:
@@ -311,7 +359,16 @@ class FakeModel:
         if missing:
             raise TraceError(f"blocks never called in the forward: {missing[:3]}")
         live = tuple(recorder.fwd_live[k] for k in range(len(self.blocks)))
-        return StepTrace(recorder.events(), recorder.peak_bytes, self.blocks, live)
+        return StepTrace(
+            recorder.events(),
+            recorder.peak_bytes,
+            self.blocks,
+            live,
+            recorder.storage_bytes,
+            recorder.outputs,
+            live_at_end,
+            dict(recorder.deaths),
+        )
 
     def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None) -> None:
         """One unrecorded step: FSDP2 initialises lazily in its first forward (its unsharded

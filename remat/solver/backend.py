@@ -111,6 +111,7 @@ def backend(
     *,
     probing: bool = True,
     presolve: bool = True,
+    gap_rel: float = GAP_REL,
 ) -> pulp.LpSolver:
     """The MILP solver.
 
@@ -120,7 +121,7 @@ def backend(
     off made some small random graphs time out instead.) ``presolve``: off to confirm an
     "infeasible" verdict (HiGHS's presolve declared a feasible 17-node Checkmate model
     infeasible, its postsolved solutions violating a constraint; tests/solver/test_exact.py).
-    CBC ignores both.
+    CBC ignores both. ``gap_rel``: the relative gap at which a solution counts as optimal.
     """
     if config.backend in ("auto", "highs") and highspy is not None:
         _silence_highs_banner()
@@ -128,14 +129,14 @@ def backend(
         if not probing:
             options["presolve_rule_off"] = PROBING
         return _WarmHiGHS(
-            start, options, msg=False, timeLimit=time_limit, gapRel=GAP_REL, gapAbs=GAP_ABS
+            start, options, msg=False, timeLimit=time_limit, gapRel=gap_rel, gapAbs=GAP_ABS
         )
     if config.backend == "highs":
         raise ValueError("MILP backend 'highs' requested but highspy is not installed")
     for var, value in start.items():
         var.setInitialValue(value)
     return pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=time_limit, warmStart=bool(start), gapRel=GAP_REL, gapAbs=GAP_ABS
+        msg=False, timeLimit=time_limit, warmStart=bool(start), gapRel=gap_rel, gapAbs=GAP_ABS
     )
 
 

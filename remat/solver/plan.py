@@ -11,14 +11,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from remat.problem import Problem
-from remat.solver.schedule import Schedule, build_schedule
+from remat.solver.executor import executor_of
+from remat.solver.schedule import Schedule
 from remat.solver.simulate import Simulation, simulate
 
 
 @dataclass(frozen=True)
 class Plan:
     saved: frozenset[str]
-    """Forward values kept for the backward (node names of the joint graph)."""
+    """Forward values kept for the backward (names of the problem's values), as the
+    executor runs the plan (:attr:`remat.solver.executor.Executor.kept`)."""
     solver: str
     reason: str
     """Why this plan was chosen, in one sentence."""
@@ -82,13 +84,14 @@ def make_plan(
 ) -> Plan:
     """Schedule and simulate ``saved``; raises :class:`InvalidPlanError` if it cannot run."""
     saved_set = frozenset(saved)
-    schedule = build_schedule(problem, saved_set)
+    executor = executor_of(problem)
+    schedule = executor.schedule(problem, saved_set)
     why_saved = why_saved or {}
     decisions = {n: why_saved.get(n, "saved") for n in schedule.saved}
     for n in schedule.recomputed:
         decisions[n] = "recomputed: not saved by the plan"
     return Plan(
-        saved=frozenset(schedule.saved),
+        saved=executor.kept(problem, saved_set, schedule),
         solver=solver,
         reason=reason,
         decisions=decisions,

@@ -25,9 +25,11 @@ from remat.solver.chen import chen_greedy, chen_sqrt
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.descent import descend
+from remat.solver.executor import executor_of
 from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact
 from remat.solver.plan import Plan
+from remat.solver.spans import solve_spans
 
 
 def milp_size(problem: Problem) -> int:
@@ -172,12 +174,50 @@ SOLVERS: Mapping[str, SolverFn] = {
 }
 
 
-def get_solver(name: str) -> SolverFn:
+def _spans_exact(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    return solve_spans(problem, budget_bytes=budget_bytes, config=config)
+
+
+def _spans_rounded(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    return solve_spans(problem, budget_bytes=budget_bytes, config=config, relax=True)
+
+
+def _spans_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    """The cheapest fitting plan of the heuristics and the fixed-lifetime MILP."""
+    if budget_bytes is None:
+        plan = keep_all(problem, budget_bytes=None, config=config)
+        return _with_reason(plan, "auto", "no budget given: keep everything (no recomputation)")
+    fitting, _, least_peak = _heuristic_plans(problem, budget_bytes, config)
     try:
-        return SOLVERS[name]
+        fitting.append(_spans_exact(problem, budget_bytes=budget_bytes, config=config))
+    except BudgetError as e:
+        least_peak = min(least_peak or e.least_peak_bytes, e.least_peak_bytes)
+    if not fitting:
+        raise BudgetError(budget_bytes, least_peak or 0, "the least peak of auto's plans")
+    return _cheapest(sorted(fitting, key=_by_cost), "the exact MILP over fixed lifetimes included")
+
+
+FIXED_LIFETIME_SOLVERS: Mapping[str, SolverFn] = {
+    **HEURISTICS,
+    "lp_round": _spans_rounded,
+    "exact": _spans_exact,
+}
+"""Solvers for executors whose lifetimes do not depend on the plan (``sac``): the MILP and
+the LP rounding are :mod:`remat.solver.spans`'s; the chain solver's menus and the flat MILP
+model the graph executor's recompute-at-stage schedule."""
+
+
+def get_solver(name: str, problem: Problem | None = None) -> SolverFn:
+    solvers = SOLVERS
+    if problem is not None and executor_of(problem).lifetimes is not None:
+        solvers = {**FIXED_LIFETIME_SOLVERS, "auto": _spans_auto}
+    try:
+        return solvers[name]
     except KeyError:
+        on = f" for the {problem.executor} executor" if problem is not None else ""
         raise ValueError(
-            f"unknown solver {name!r}; valid solvers: {', '.join(sorted(SOLVERS))}, auto"
+            f"unknown solver {name!r}{on}; valid solvers: "
+            f"{', '.join(sorted(solvers))}{', auto' if 'auto' not in solvers else ''}"
         ) from None
 
 
@@ -278,7 +318,10 @@ def solve(
     if budget_bytes is not None and budget_bytes < 0:
         raise ValueError("the budget must be >= 0 bytes")
     config = config or SolverConfig()
-    fn = solve_auto if solver == "auto" else get_solver(solver)
+    if executor_of(problem).lifetimes is not None:
+        fn = get_solver(solver, problem)
+    else:
+        fn = solve_auto if solver == "auto" else get_solver(solver)
     plan = fn(problem, budget_bytes=budget_bytes, config=config)
     if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
         raise BudgetError(budget_bytes, plan.predicted_peak_bytes, f"the peak of {solver}'s plan")

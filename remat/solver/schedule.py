@@ -22,8 +22,8 @@ The executor:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role
 
@@ -44,10 +44,18 @@ class Schedule:
     """Ops of the backward graph in execution order, recomputations inlined."""
     recomputed: tuple[str, ...]
     """Forward ops the backward re-runs (each exactly once)."""
+    held_until: Mapping[str, str] = field(default_factory=dict)
+    """Saved values the executor itself holds at least until this backward op (PyTorch's
+    checkpoint holds a region's inputs to the end of its backward); the others are freed
+    after their last use."""
 
 
 def build_schedule(problem: Problem, saved: Iterable[str]) -> Schedule:
-    """The forward and backward op orders that realise ``saved``."""
+    """The forward and backward op orders that realise ``saved`` on remat's own executor
+    (``problem.executor == "graph"``; :func:`remat.solver.executor.schedule_of` serves
+    every executor)."""
+    if problem.executor != "graph":
+        raise ValueError(f"build_schedule is the graph executor's; this is {problem.executor!r}")
     values = problem.by_name
     index = problem.index
     saved_set = frozenset(saved)

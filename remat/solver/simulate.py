@@ -23,7 +23,7 @@ The model of the executor (it mirrors :mod:`remat.rewrite.executor` and FX's cod
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from remat.problem import Problem, Role
@@ -54,6 +54,9 @@ class Simulation:
     forward_time_s: float
     backward_time_s: float
     """Backward op time, recomputation included."""
+    intervals: Mapping[str, list[tuple[int, int]]] | None = None
+    """With ``simulate(..., intervals=True)``: per storage, the timeline steps (inclusive
+    ranges) at which it is counted live."""
 
     @property
     def step_time_s(self) -> float:
@@ -70,11 +73,14 @@ class _Memory:
         self.peak = 0
         self.peak_step = ""
         self.timeline: list[TimelineStep] = []
+        self.opened: dict[str, int] = {}
+        self.intervals: dict[str, list[tuple[int, int]]] | None = None
 
     def hold(self, name: str) -> None:
         for s in self.problem.by_name[name].storages:
             if self.holders[s] == 0:
                 self.live += self.problem.storage_bytes[s]
+                self.opened[s] = len(self.timeline)
             self.holders[s] += 1
 
     def drop(self, name: str) -> None:
@@ -83,6 +89,9 @@ class _Memory:
             assert self.holders[s] >= 0, f"storage {s} of {name} dropped twice"
             if self.holders[s] == 0:
                 self.live -= self.problem.storage_bytes[s]
+                if self.intervals is not None:
+                    # Counted in the current step's allocated bytes (freed after it).
+                    self.intervals.setdefault(s, []).append((self.opened[s], len(self.timeline)))
 
     def record(self, phase: str, name: str, allocated: int, recompute: bool = False) -> None:
         if allocated > self.peak:
@@ -96,11 +105,13 @@ def _run_graph(
     ops: tuple[str, ...],
     outputs: Iterable[str],
     recomputed: frozenset[str] = frozenset(),
+    held_until: Mapping[str, str] | None = None,
 ) -> None:
     """Execute one FX graph; its outputs stay held by their variables when it returns.
 
     Inputs arrive held by the caller; a boxed call hands that reference to the graph, which
-    drops it after the input's last use (an input never read stays held until the end).
+    drops it after the input's last use (an input never read stays held until the end), or
+    after ``held_until[input]`` if the executor holds it longer.
     """
     problem = mem.problem
     outputs = set(outputs)
@@ -108,6 +119,10 @@ def _run_graph(
     for k, name in enumerate(ops):
         for i in problem.by_name[name].inputs:
             last_use[i] = k
+    if held_until:
+        at = {name: k for k, name in enumerate(ops)}
+        for name, op in held_until.items():
+            last_use[name] = max(last_use.get(name, 0), at[op])
     frees: dict[int, list[str]] = {}
     for name, k in last_use.items():
         if name not in outputs:
@@ -127,10 +142,13 @@ def _run_graph(
         mem.record(phase, name, allocated, name in recomputed)
 
 
-def simulate(problem: Problem, schedule: Schedule) -> Simulation:
-    """Walk the executor's order and account every storage; see the module docstring."""
+def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -> Simulation:
+    """Walk the executor's order and account every storage; see the module docstring.
+    ``intervals``: also record when each storage is live (for executors' lifetimes)."""
     values = problem.by_name
     mem = _Memory(problem)
+    if intervals:
+        mem.intervals = {}
 
     # Forward graph: returns user outputs, buffer updates, saved values.
     fw_outputs = (*problem.user_outputs, *problem.mutation_outputs, *schedule.saved)
@@ -156,6 +174,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Simulation:
         schedule.backward,
         problem.grad_outputs if problem.grads_held else (),
         frozenset(schedule.recomputed),
+        schedule.held_until,
     )
 
     recomputed = [values[n] for n in schedule.recomputed]
@@ -168,4 +187,5 @@ def simulate(problem: Problem, schedule: Schedule) -> Simulation:
         recompute_time_s=sum(v.time_s for v in recomputed),
         forward_time_s=sum(values[n].time_s for n in schedule.forward),
         backward_time_s=sum(values[n].time_s for n in schedule.backward),
+        intervals=mem.intervals,
     )

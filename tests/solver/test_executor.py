@@ -1,0 +1,177 @@
+"""The ``sac`` executor's description on hand-built problems (no torch): its schedule, the
+fixed lifetimes the spans MILP reads, and that MILP against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat.problem import Problem, Role, Value
+from remat.solver import registry, spans
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.executor import NO_CHECKPOINT, SAC, Lifetimes, schedule_of
+from remat.solver.plan import make_plan
+from remat.solver.simulate import simulate
+from remat.solver.spans import _Held, _solve_lazily
+
+KiB = 1024
+
+
+def sac_chain(seed: int, regions: int = 2, ops: int = 4) -> Problem:
+    """``x -> region 0 -> region 1 -> ... -> loss``: each region a chain of ops of random
+    sizes (some not savable), its backward reading random values of it, in reverse."""
+    rng = random.Random(seed)
+    values: list[Value] = []
+    sizes: dict[str, int] = {}
+
+    def add(name: str, role: Role, inputs: tuple[str, ...], region: str = "", **kw) -> str:
+        storage = f"{name}.s"
+        sizes[storage] = rng.choice((1, 2, 4, 8)) * KiB
+        values.append(
+            Value(
+                name,
+                role,
+                kw.pop("op", "aten.op.default"),
+                inputs,
+                storages=(storage,),
+                allocates=(storage,),
+                time_s=rng.choice((1, 2, 5)) * 1e-6,
+                region=region,
+                **kw,
+            )
+        )
+        return name
+
+    prev = add("x", Role.FORWARD, ())
+    chains = []
+    for r in range(regions):
+        path = f"blocks.{r}"
+        values.append(Value(f"{path}:eager", Role.FORWARD, NO_CHECKPOINT, region=path))
+        chain = []
+        for k in range(ops):
+            prev = add(f"{path}:op#{k}", Role.FORWARD, (prev,), path, savable=rng.random() > 0.2)
+            chain.append(prev)
+        chains.append(chain)
+    loss = add("loss", Role.FORWARD, (prev,))
+    grad = add("g.loss", Role.BACKWARD, (loss,))
+    for r in reversed(range(regions)):
+        path = f"blocks.{r}"
+        for k in reversed(range(ops)):
+            reads = tuple(n for n in chains[r][: k + 1] if rng.random() < 0.5)
+            grad = add(f"g.{path}.{k}", Role.BACKWARD, (grad, *reads), path)
+    return Problem(
+        values=tuple(values),
+        storage_bytes=sizes,
+        user_outputs=("loss",),
+        grad_outputs=(grad,),
+        executor="sac",
+    )
+
+
+def _model_peak(lt: Lifetimes, kept: set[str]) -> int:
+    return max(
+        base
+        + sum(n for c in lt.candidates if c.name in kept for n, a, b in c.pieces if a <= m <= b)
+        for m, base in enumerate(lt.base)
+    )
+
+
+def test_regions_replay_at_their_first_backward_op_and_hold_their_inputs() -> None:
+    problem = sac_chain(0)
+    schedule = schedule_of(problem, ())
+    backward = list(schedule.backward)
+    for r in ("blocks.1", "blocks.0"):
+        first = next(k for k, n in enumerate(backward) if problem.by_name[n].region == r)
+        replayed = [n for n in schedule.recomputed if problem.by_name[n].region == r]
+        assert backward[first : first + len(replayed)] == replayed
+        assert all(n not in schedule.saved for n in replayed)
+    # Region 1's input is region 0's last op: held by region 1's frame to its end.
+    last_of_1 = [n for n in backward if n.startswith("g.blocks.1")][-1]
+    assert schedule.held_until["blocks.0:op#3"] == last_of_1
+    assert "x" in schedule.saved  # region 0's input
+
+
+def test_a_region_without_checkpoint_replays_nothing() -> None:
+    problem = sac_chain(1)
+    plan = make_plan(problem, {"blocks.1:eager"}, solver="t", reason="")
+    assert not any(problem.by_name[n].region == "blocks.1" for n in plan.recomputed)
+    assert "blocks.1:eager" in plan.saved
+    assert plan.recompute_time_s < make_plan(problem, (), solver="t", reason="").recompute_time_s
+
+
+def test_kept_values_are_not_replayed_and_savable_only() -> None:
+    problem = sac_chain(2)
+    candidates = SAC.candidates(problem)
+    everything = {v.name for v in problem.values if v.region and v.role is Role.FORWARD}
+    plan = make_plan(
+        problem, everything - {f"blocks.{r}:eager" for r in (0, 1)}, solver="t", reason=""
+    )
+    assert plan.saved <= candidates
+    assert not set(plan.recomputed) & plan.saved
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000))
+def test_lifetimes_bound_each_single_choice_and_are_exact_for_regions(seed: int) -> None:
+    """Keeping one candidate: the linear model's peak is never below the simulated one (the
+    model only drops the replay step the kept value no longer needs); leaving one region
+    without checkpoint: equal, since its pieces are the simulated difference."""
+    problem = sac_chain(seed, regions=3, ops=3)
+    lt = SAC.lifetimes(problem)  # type: ignore[misc]
+    for c in lt.candidates:
+        simulated = make_plan(problem, {c.name}, solver="t", reason="").predicted_peak_bytes
+        if c.whole_group:
+            assert _model_peak(lt, {c.name}) == simulated, c.name
+        else:
+            assert _model_peak(lt, {c.name}) >= simulated, c.name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_spans_milp_is_the_brute_force_optimum_of_its_model(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows added two at a time (the lazy loop runs), the optimum is brute force's."""
+    monkeypatch.setattr(spans, "ROWS", 2)
+    problem = sac_chain(seed, regions=2, ops=3)
+    lt = SAC.lifetimes(problem)  # type: ignore[misc]
+    names = [c.name for c in lt.candidates]
+    groups = {c.name: c.group for c in lt.candidates}
+    markers = {c.group: c.name for c in lt.candidates if c.whole_group}
+    budget = (max(lt.base) + _model_peak(lt, set(names) - set(markers.values()))) // 2
+    best = None
+    for r in range(len(names) + 1):
+        for kept in itertools.combinations(names, r):
+            k = set(kept)
+            if any(m in k and any(groups[n] == g for n in k if n != m) for g, m in markers.items()):
+                continue  # a region without checkpoint keeps nothing else
+            if _model_peak(lt, k) <= budget:
+                cost = sum(c.time_s for c in lt.candidates if c.name not in k)
+                best = cost if best is None else min(best, cost)
+    found = _solve_lazily(lt, _Held(lt), budget, False, SolverConfig(), time.perf_counter() + 60)
+    assert best is not None and found is not None
+    kept = {n for n, x in zip(names, found, strict=True) if x > 0.5}
+    assert _model_peak(lt, kept) <= budget
+    assert sum(c.time_s for c in lt.candidates if c.name not in kept) == pytest.approx(best)
+
+
+def test_solvers_plan_for_the_sac_executor_within_the_budget() -> None:
+    problem = sac_chain(3, regions=3, ops=4)
+    least = make_plan(problem, (), solver="t", reason="").predicted_peak_bytes
+    most = registry.solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    budget = (least + most) // 2
+    costs = {}
+    for name in ("exact", "lp_round", "auto"):
+        plan = registry.solve(problem, solver=name, budget_bytes=budget, config=SolverConfig())
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.predicted_peak_bytes == simulate(problem, plan.schedule).peak_bytes
+        costs[name] = plan.recompute_time_s
+    assert costs["auto"] <= costs["exact"] + 1e-15
+    with pytest.raises(BudgetError):
+        registry.solve(problem, solver="exact", budget_bytes=least - 1)
+    with pytest.raises(ValueError, match="for the sac executor"):
+        registry.solve(problem, solver="chain", budget_bytes=budget)
