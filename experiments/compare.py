@@ -13,12 +13,15 @@ has it), one training step as :func:`remat.meter.training_step` defines it:
   ``aot_eager``) at several ``activation_memory_budget`` fractions; Hugging Face's
   ``gradient_checkpointing_enable()`` (HF models); ``torch.utils.checkpoint`` around every block
   and around ceil(sqrt(L))-block segments. Each peer's peak is *measured* (live-storage meter).
-* **remat at each peer's measured peak** (``matched``): planned (``--solver``, default ``auto``)
-  for exactly that many bytes, so the two recompute costs compare at equal memory.
+* **remat at each peer's measured allocator peak** (``matched``): planned (``--solver``,
+  default ``auto``) for exactly that many bytes, so the two recompute costs compare at equal
+  memory where out-of-memory happens.
 * **remat's sweep**: budgets evenly from the least peak remat reaches to keep-all's.
 
-Every remat row is run and measured: predicted and measured peak, allocator peak, and outputs
-and gradients compared bitwise with eager's. Recompute FLOPs are counted with the same FLOP
+Every remat row is run and measured: its predicted allocator peak (live storages plus each
+kernel's measured scratch) against the allocator's measured peak, its predicted tensor peak
+against the live-storage meter's, and outputs and gradients compared bitwise with eager's.
+remat is matched to each peer's *allocator* peak, where a step runs out of memory. Recompute FLOPs are counted with the same FLOP
 registry for all: FlopCounterMode (checkpointed step minus eager) for eager checkpointing, the
 registry over the recomputed ops for remat's plans and the partitioner's backward graph. With ``--reps`` > 0, CPU step time / eager (one thread, interleaved repetitions, median)
 for every row. Writes ``results/compare/<model>.csv`` (one row per measured configuration) and
@@ -65,8 +68,9 @@ RESULTS = Path(__file__).parent / "results"
 TORCH_BUDGETS = (0.1, 0.3, 0.5, 0.7, 1.0)
 QUICK_TORCH_BUDGETS = (0.5,)
 COLUMNS = [
-    "model", "kind", "method", "setting", "budget_bytes", "peak_bytes", "predicted_peak_bytes",
-    "allocator_peak_bytes", "recompute_flops", "step_flops", "time_ratio", "solve_s", "equal",
+    "model", "kind", "method", "setting", "budget_bytes", "peak_bytes",
+    "predicted_tensor_peak_bytes", "allocator_peak_bytes", "predicted_peak_bytes",
+    "recompute_flops", "step_flops", "time_ratio", "solve_s", "equal",
     "differing", "reason",
 ]  # fmt: skip
 
@@ -177,8 +181,9 @@ class Planner:
             "setting": setting,
             "budget_bytes": budget,
             "peak_bytes": r.peak_bytes,
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_tensor_peak_bytes": plan.predicted_tensor_peak_bytes,
             "allocator_peak_bytes": r.allocator_peak_bytes,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
             "recompute_flops": plan.recompute_flops,
             "step_flops": self.ref.flops + plan.recompute_flops,
             "solve_s": round(solve_s, 3), "equal": r.equal, "differing": r.differing,
@@ -237,7 +242,8 @@ def run_model(spec: Spec, n_budgets: int, reps: int, time_limit: float, solver: 
         steps[len(rows)] = make
         rows.append(d)
         if row.peer != "eager":
-            matched = planner.row(spec.name, "matched", row.peak_bytes, f"{row.peer} {row.setting}")
+            setting = f"{row.peer} {row.setting}"
+            matched = planner.row(spec.name, "matched", row.allocator_peak_bytes, setting)
             if "_make_step" in matched:
                 steps[len(rows)] = matched.pop("_make_step")
             rows.append(matched)
@@ -283,8 +289,8 @@ def _time(rows: list[dict[str, Any]], steps: dict[int, StepMaker], reps: int) ->
 
 def _show(console: Console, model: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=model)
-    cols = ["kind", "method", "setting", "peak_bytes", "predicted_peak_bytes", "recompute_flops",
-            "time_ratio", "equal"]  # fmt: skip
+    cols = ["kind", "method", "setting", "allocator_peak_bytes", "predicted_peak_bytes",
+            "peak_bytes", "recompute_flops", "time_ratio", "equal"]  # fmt: skip
     for c in cols:
         table.add_column(c, justify="right")
     for r in rows:
@@ -294,7 +300,7 @@ def _show(console: Console, model: str, rows: list[dict[str, Any]]) -> None:
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
-    """Recompute FLOPs against measured peak, one marker per method."""
+    """Recompute FLOPs against measured allocator peak, one marker per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,12 +308,13 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in dict.fromkeys(r["method"] for r in rows):
-        pts = [(r["peak_bytes"] / 2**20, r["recompute_flops"] / 1e9) for r in rows
-               if r["method"] == method and r.get("peak_bytes") and r.get("recompute_flops") is not None]  # fmt: skip
+        pts = [(r["allocator_peak_bytes"] / 2**20, r["recompute_flops"] / 1e9) for r in rows
+               if r["method"] == method and r.get("allocator_peak_bytes")
+               and r.get("recompute_flops") is not None]  # fmt: skip
         if pts:
             xs, ys = zip(*sorted(pts), strict=True)
             ax.plot(xs, ys, "o-" if method == "remat" else "s", label=method, alpha=0.8)
-    ax.set_xlabel("measured peak (MiB)")
+    ax.set_xlabel("measured allocator peak (MiB)")
     ax.set_ylabel("recompute (GFLOP)")
     ax.set_title(rows[0]["model"])
     ax.grid(alpha=0.3)

@@ -64,10 +64,18 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _peak_key(rows: list[dict[str, str]], model: str) -> str:
+    """The peak a model's comparison matched remat at: the allocator's, or, for runs before
+    the allocator-level prediction (no ``predicted_tensor_peak_bytes``), the live meter's."""
+    new = any(r.get("predicted_tensor_peak_bytes") for r in rows if r["model"] == model)
+    return "allocator_peak_bytes" if new else "peak_bytes"
+
+
 def compare_table() -> str:
     """Each peer at its measured peak beside remat planned for exactly that peak."""
     rows = _read("compare.csv")
     matched = {(r["model"], r["setting"]): r for r in rows if r["kind"] == "matched"}
+    keys = {r["model"]: _peak_key(rows, r["model"]) for r in rows}
     out = []
     for r in rows:
         if r["kind"] != "peer" or r["method"] == "eager":
@@ -76,21 +84,23 @@ def compare_table() -> str:
         if m is None:
             continue
         ran = bool(m["peak_bytes"])
+        key = keys[r["model"]]
         out.append(
             [
                 r["model"],
+                "allocator" if key == "allocator_peak_bytes" else "live tensors",
                 f"{r['method']} {r['setting']}",
-                _fmt(_num(r["peak_bytes"]) / MIB),  # type: ignore[operator]
+                _fmt(_num(r[key]) / MIB),  # type: ignore[operator]
                 _gflop(r["recompute_flops"]),
                 _fmt(_num(r["time_ratio"])),
                 "yes" if r["equal"] == "True" else f"**no** ({r['differing']})",
-                _fmt((_num(m["peak_bytes"]) or 0) / MIB) if ran else m["reason"],
+                _fmt((_num(m[key]) or 0) / MIB) if ran else m["reason"],
                 _gflop(m["recompute_flops"]) if ran else "-",
                 _fmt(_num(m["time_ratio"])),
                 ("yes" if m["equal"] == "True" else "**no**") if ran else "-",
             ]
         )
-    header = ["model", "peer", "peer peak MiB", "peer recompute GFLOP", "peer time x",
+    header = ["model", "peaks of", "peer", "peer peak MiB", "peer recompute GFLOP", "peer time x",
               "peer bitwise", "remat peak MiB", "remat recompute GFLOP", "remat time x",
               "remat bitwise"]  # fmt: skip
     return _table(header, out)
@@ -113,7 +123,7 @@ def at_budget_table() -> str:
                 if p["model"] == r["model"]
                 and p["kind"] == "peer"
                 and p["method"] in family
-                and int(p["peak_bytes"]) <= budget
+                and int(p[_peak_key(rows, r["model"])]) <= budget
             ]
             known = [p for p in fits if _num(p["recompute_flops"]) is not None]
             best = min(known, key=lambda p: float(p["recompute_flops"]), default=None)
@@ -130,20 +140,40 @@ def at_budget_table() -> str:
 
 
 def predicted_table() -> str:
-    """Every remat row of the comparison: predicted against measured peak."""
+    """Every remat row of the comparison: predicted against measured peak, for live tensors
+    and at the allocator (rows from runs before the allocator-level prediction have no
+    ``predicted_tensor_peak_bytes``: their prediction was the tensor peak)."""
     rows = [r for r in _read("compare.csv") if r["method"] == "remat" and r["peak_bytes"]]
     by: dict[str, list[dict[str, str]]] = {}
     for r in rows:
         by.setdefault(r["model"], []).append(r)
     out = []
     for model, rs in by.items():
-        exact = sum(r["peak_bytes"] == r["predicted_peak_bytes"] for r in rs)
-        gap = max(
+        new = all(r.get("predicted_tensor_peak_bytes") for r in rs)
+        tensors = sum(
+            r["peak_bytes"]
+            == (r["predicted_tensor_peak_bytes"] if new else r["predicted_peak_bytes"])
+            for r in rs
+        )
+        above = max(
             (_num(r["allocator_peak_bytes"]) or 0) / (_num(r["peak_bytes"]) or 1) - 1 for r in rs
         )
+        if new:
+            gaps = [
+                (_num(r["allocator_peak_bytes"]) or 0) - (_num(r["predicted_peak_bytes"]) or 0)
+                for r in rs
+            ]
+            exact = sum(g == 0 for g in gaps)
+            worst = max(gaps, key=abs)
+            allocator = f"{exact} exact, largest gap {worst:+,.0f} B"
+        else:
+            allocator = "not predicted (run before it)"
         equal = sum(r["equal"] == "True" for r in rs)
-        out.append([model, str(len(rs)), str(exact), str(equal), f"{100 * gap:+.1f}%"])
-    header = ["model", "remat plans run", "predicted == measured", "bitwise equal to eager",
+        out.append(
+            [model, str(len(rs)), str(tensors), allocator, str(equal), f"{100 * above:+.1f}%"]
+        )
+    header = ["model", "remat plans run", "predicted == measured, tensors",
+              "predicted == measured, allocator", "bitwise equal to eager",
               "largest allocator peak above the live peak"]  # fmt: skip
     return _table(header, out)
 

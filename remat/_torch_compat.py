@@ -8,7 +8,7 @@ torch upgrade should only ever have to touch this file. Tested against torch 2.1
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ __all__ = [
     "TangentAOTInput",
     "activation_memory_budget",
     "allocator_events",
+    "allocator_events_by_label",
     "boxed_codegen",
     "compile_caches_off",
     "dynamo_reset",
@@ -48,6 +49,7 @@ __all__ = [
     "inductor_recording",
     "fake_copy",
     "fake_mode_of",
+    "fsdp_storage_resizes",
     "fully_shard_blocks",
     "flop_registry",
     "is_fake",
@@ -56,6 +58,7 @@ __all__ = [
     "op_arguments",
     "sdpa_backward_flop_count",
     "sdpa_flop_count",
+    "rng_states_saved",
     "storage_key",
 ]
 
@@ -94,6 +97,50 @@ def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]
         if e.tag == torch._C._profiler._EventType.Allocation:
             out.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
     return sorted(out, key=lambda t: t[0])
+
+
+def allocator_events_by_label(
+    prof: torch.profiler.profile, prefix: str
+) -> dict[str, list[tuple[int, int, int]]]:
+    """:func:`allocator_events` grouped by the innermost enclosing
+    ``torch.profiler.record_function`` whose name starts with ``prefix``."""
+    results: Any = prof.profiler.kineto_results  # type: ignore[union-attr]
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    stack = list(results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag != torch._C._profiler._EventType.Allocation:
+            continue
+        parent = e.parent
+        while parent is not None and not parent.name.startswith(prefix):
+            parent = parent.parent
+        if parent is not None:
+            out.setdefault(parent.name, []).append(
+                (e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr)
+            )
+    return {k: sorted(v, key=lambda t: t[0]) for k, v in out.items()}
+
+
+@contextlib.contextmanager
+def rng_states_saved(callback: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call ``callback`` with each CPU RNG state taken while active. Why: a non-reentrant
+    checkpoint frame saves ``torch.get_rng_state()`` (5,056 bytes on CPU) when its region
+    starts and holds it until the frame dies; it is made outside the dispatcher, so no
+    dispatch mode sees it, but the allocator does. Relies on ``torch.utils.checkpoint``
+    calling ``torch.get_rng_state`` through the ``torch`` module (2.13)."""
+    original = torch.get_rng_state
+
+    def observed() -> torch.Tensor:
+        state = original()
+        callback(state)
+        return state
+
+    torch.get_rng_state = observed
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -205,6 +252,38 @@ def fully_shard_blocks(
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def fsdp_storage_resizes(callback: Callable[[int], None]) -> Iterator[None]:
+    """Call ``callback`` with the change in bytes each time FSDP2 resizes an unsharded
+    parameter's storage in place (allocated before an all-gather, freed to 0 at reshard).
+    Why: after the first step FSDP2 reuses those storages through ``storage.resize_``,
+    which no dispatch mode sees, but the allocator does (2.13: ``alloc_storage`` and
+    ``free_storage`` of ``torch.distributed.fsdp._fully_shard._fsdp_param``)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def observed(original: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def resize(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            original(tensor)
+            delta = tensor.untyped_storage().nbytes() - before
+            if delta:
+                callback(delta)
+
+        return resize
+
+    patched = [(_fsdp_param, "alloc_storage", alloc), (_fsdp_param, "free_storage", free)]
+    patched.append((_fsdp_param_group, "alloc_storage", _fsdp_param_group.alloc_storage))
+    for module, name, original in patched:
+        setattr(module, name, observed(original))
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:

@@ -9,8 +9,11 @@ returning (e.g. convolution workspace); :func:`allocator_peak_bytes` measures th
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import _torch_compat as tc
+from remat.graph.autocast import autocast_for
 
 
 class LiveMemoryMeter(TorchDispatchMode):
@@ -74,10 +78,46 @@ def allocator_peak_bytes(step: Callable[[], Any]) -> int:
     on where malloc placed them. The live-storage meter's peak is then a lower bound of this
     one, and the gap is what a reserve must cover.
     """
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
+    with allocator_profile() as prof:
         step()
+    return _peak_of(prof)
+
+
+@contextlib.contextmanager
+def allocator_profile() -> Iterator[torch.profiler.profile]:
+    """``torch.profiler.profile`` recording allocations, without the lines Kineto writes to
+    the process's stderr when it starts and stops (``USDT: ... profiler_start``; no setting
+    turns them off, so file descriptor 2 is pointed at /dev/null while it does)."""
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
+    with _stderr_silenced():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _stderr_silenced():
+            prof.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (an embedded interpreter): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _peak_of(prof: torch.profiler.profile) -> int:
     live = peak = 0
     mine: set[int] = set()
     for _, nbytes, address in tc.allocator_events(prof):
@@ -95,8 +135,11 @@ def allocator_peak_bytes(step: Callable[[], Any]) -> int:
 @dataclass(frozen=True)
 class StepMeasurement:
     peak_bytes: int
+    """Live-storage meter."""
     outputs: tuple[torch.Tensor, ...]
     """The tensor leaves of the output, detached."""
+    allocator_peak_bytes: int | None = None
+    """The allocator's peak in the same step (``measure_step(..., allocator=True)``)."""
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
@@ -112,6 +155,7 @@ def training_step(
     seed: int = 0,
     autocast: torch.dtype | None = None,
     on_backward: Callable[[list[torch.Tensor]], None] | None = None,
+    autocast_policy: str = "native",
 ) -> tuple[torch.Tensor, ...]:
     """Forward, then backward with dense random output gradients (as a loss such as
     cross-entropy produces), drawn from their own generator so the global random stream is
@@ -119,15 +163,24 @@ def training_step(
     Gradients accumulate into ``.grad``. ``autocast``: run the forward (not the backward, as
     PyTorch recommends) under ``torch.autocast`` with this dtype. ``on_backward`` is called
     with the outputs between the forward and the output gradients (tracers mark the phase
-    with it)."""
+    with it). ``autocast_policy``: ``cuda`` casts as CUDA autocast does on any device
+    (:mod:`remat.graph.autocast`)."""
     gen = torch.Generator().manual_seed(seed)
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+    region = (
+        autocast_for(device, autocast, autocast_policy)
+        if autocast is not None
+        else torch.autocast(device, enabled=False)
+    )
+    with region:
         out = output_tensors(module(*args, **(kwargs or {})))
     if on_backward is not None:
         on_backward(out)
     diff = [t for t in out if t.requires_grad]
-    tangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in diff]
+    # Drawn on the CPU (the generator's device), then moved: never on the default device.
+    tangents = [
+        torch.randn(t.shape, generator=gen, dtype=t.dtype, device="cpu").to(t.device) for t in diff
+    ]
     torch.autograd.backward(diff, tangents)
     return tuple(t.detach() for t in out)
 
@@ -139,8 +192,12 @@ def measure_step(
     *,
     seed: int = 0,
     autocast: torch.dtype | None = None,
+    allocator: bool = False,
 ) -> StepMeasurement:
-    """Run :func:`training_step` under a :class:`LiveMemoryMeter`."""
-    with LiveMemoryMeter() as meter:
-        outputs = training_step(module, args, kwargs, seed=seed, autocast=autocast)
-    return StepMeasurement(meter.peak_bytes, outputs)
+    """Run :func:`training_step` under a :class:`LiveMemoryMeter`; ``allocator``: and under
+    the profiler's allocator accounting (:func:`allocator_peak_bytes`), in the same run."""
+    with contextlib.ExitStack() as stack:
+        prof = stack.enter_context(allocator_profile()) if allocator else None
+        with LiveMemoryMeter() as meter:
+            outputs = training_step(module, args, kwargs, seed=seed, autocast=autocast)
+    return StepMeasurement(meter.peak_bytes, outputs, None if prof is None else _peak_of(prof))

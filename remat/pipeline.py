@@ -12,10 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat import _torch_compat as tc
+from remat.graph.autocast import policy_of
 from remat.graph.capture import Captured, capture
 from remat.graph.joint import JointGraph, build_joint
 from remat.graph.problem import build_problem
 from remat.graph.profiles import DeviceProfile
+from remat.graph.scratch import scratch_of_graph, where_measured
 from remat.planfile import plan_from_file
 from remat.problem import Problem
 from remat.solver.config import BudgetError, SolverConfig
@@ -60,10 +63,14 @@ def analyze(
     if precision not in AUTOCAST:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
     t0 = time.perf_counter()
-    captured = capture(model, args, kwargs, autocast=AUTOCAST[precision])
+    name = device_profile.name if isinstance(device_profile, DeviceProfile) else device_profile
+    captured = capture(
+        model, args, kwargs, autocast=AUTOCAST[precision], autocast_policy=policy_of(name)
+    )
     t1 = time.perf_counter()
     joint = build_joint(captured)
     t2 = time.perf_counter()
+    scratch, where = _scratch(model, joint, device_profile)
     problem = build_problem(
         joint,
         device_profile=device_profile,
@@ -71,7 +78,9 @@ def analyze(
             "model": type(model).__name__,
             "capture": captured.method,
             "precision": precision,
+            "scratch": where,
         },
+        scratch=scratch,
     )
     if not grads_held:
         problem = dataclasses.replace(problem, grads_held=False)
@@ -79,6 +88,24 @@ def analyze(
     return Analysis(
         captured, joint, problem, {"capture": t1 - t0, "joint": t2 - t1, "annotate": t3 - t2}
     )
+
+
+def _scratch(
+    model: nn.Module, joint: JointGraph, device_profile: str | DeviceProfile
+) -> tuple[dict[str, int], str]:
+    """Kernel scratch per node where it can be measured for the device planned for
+    (:func:`remat.graph.scratch.where_measured`), and a line saying where (or why not)."""
+    name = device_profile.name if isinstance(device_profile, DeviceProfile) else device_profile
+    where = where_measured(model, name)
+    if where is None:
+        return {}, f"not measured ({_why_not(model, name)}): kernel scratch counts 0"
+    return scratch_of_graph(joint.graph_module), where
+
+
+def _why_not(model: nn.Module, profile: str) -> str:
+    if tc.fake_mode_of(model) is not None:
+        return "a FakeTensor model"
+    return f"planned for {profile} on a CPU model"
 
 
 def fixed_plan(problem: Problem, name: str) -> Plan:

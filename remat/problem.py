@@ -61,6 +61,10 @@ class Value:
     savable: bool = True
     """The executor can keep this value (``"sac"``: it owns new storage and nothing mutates
     it later in its region)."""
+    scratch_bytes: int = 0
+    """Bytes the op's kernel allocates and frees inside itself (internal copies, workspaces),
+    measured on the device (:mod:`remat.graph.scratch`): live only while the op runs, seen by
+    the allocator, not by a live-storage meter."""
     region: str = ""
     """The checkpoint region a forward value runs in (``"sac"`` problems: the block's path),
     or the region whose backward a backward value belongs to; empty outside regions."""

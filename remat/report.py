@@ -65,7 +65,12 @@ def memory_table(plan: Plan, problem: Problem) -> Table:
     table.add_row(
         "step peak, planned",
         _bytes(plan.predicted_peak_bytes),
-        f"at {plan.simulation.peak_step}",
+        f"at the allocator, at {plan.simulation.peak_step}",
+    )
+    table.add_row(
+        "step peak, tensors only",
+        _bytes(plan.predicted_tensor_peak_bytes),
+        f"live storages at their own peak; kernel scratch {problem.metadata.get('scratch', '')}",
     )
     if mem is not None:
         table.add_row("reserve", _bytes(mem["reserve"]), "allocator, workspaces, buffers")

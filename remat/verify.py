@@ -9,6 +9,7 @@ predicted and measured memory peak of each step. Tests, the demo and benchmarks 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,11 @@ from remat.solver.plan import Plan
 class StepCheck:
     step: int
     predicted_peak_bytes: int
+    """The plan's peak at the allocator (:attr:`remat.Plan.predicted_peak_bytes`)."""
     measured_peak_bytes: int
+    """Allocator (profiler), remat module, the same step as ``measured_tensor_peak_bytes``."""
+    predicted_tensor_peak_bytes: int
+    measured_tensor_peak_bytes: int
     """Live-storage meter, remat module."""
     eager_peak_bytes: int
     """Live-storage meter, the unmodified model."""
@@ -117,7 +122,9 @@ def verify(
         torch.manual_seed(1000 + step)
         eager = measure_step(ref, args, kwargs, seed=step, autocast=autocast)
         torch.manual_seed(1000 + step)
-        measured = measure_step(fast, args, kwargs, seed=step, autocast=fast_autocast)
+        measured = measure_step(
+            fast, args, kwargs, seed=step, autocast=fast_autocast, allocator=True
+        )
         bad = compare(ref, fast, eager.outputs, measured.outputs, step)
         opt_ref.step()
         opt_fast.step()
@@ -125,6 +132,8 @@ def verify(
             StepCheck(
                 step,
                 plan.predicted_peak_bytes,
+                measured.allocator_peak_bytes or 0,
+                plan.predicted_tensor_peak_bytes,
                 measured.peak_bytes,
                 eager.peak_bytes,
                 tuple(bad),
@@ -138,11 +147,5 @@ def verify(
     ]
     if final:
         last = checks[-1]
-        checks[-1] = StepCheck(
-            last.step,
-            last.predicted_peak_bytes,
-            last.measured_peak_bytes,
-            last.eager_peak_bytes,
-            last.mismatches + tuple(final),
-        )
+        checks[-1] = dataclasses.replace(last, mismatches=last.mismatches + tuple(final))
     return Verification(fast, plan, tuple(checks))

@@ -152,6 +152,43 @@ def _mixtral() -> nn.Module:
     return MixtralForCausalLM(cfg)
 
 
+def _qwen2() -> nn.Module:
+    """A Qwen2-style decoder with grouped-query attention (4 query, 2 key/value heads) and no
+    attention dropout, so CPU SDPA runs its flash kernel with the heads grouped in the kernel."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+class CausalLMLoss(nn.Module):
+    """A training wrapper: next-token cross-entropy of a causal LM called without positions."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(ids).logits[:, :-1]
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+GQA_ZOO: tuple[Case, ...] = (
+    Case("qwen2_gqa_loss", lambda: CausalLMLoss(_qwen2()), _tokens(128, batch=2, seq=256)),
+    Case("mixtral_moe", _mixtral, _tokens(128, batch=2, seq=256)),
+)
+"""Grouped-query attention and MoE routing at a sequence of several attention-kernel blocks
+(256): where capture once took another branch of transformers' mask code than eager."""
+
+
 NATIVE_ZOO: tuple[Case, ...] = (
     Case(
         "tiny_gpt",

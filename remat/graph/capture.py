@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from remat import _torch_compat as tc
+from remat.graph.autocast import autocast_for
 
 PREFIX = "model."
 """Names of parameters and buffers inside the captured wrapper start with this."""
@@ -75,6 +76,15 @@ class Captured:
     inputs: InputLayout
     outputs: OutputLayout
     example_inputs: tuple[torch.Tensor, ...]
+    branches: tuple[Branch, ...] = ()
+    """Data-dependent tests of Hugging Face's mask code the graph was traced on (see
+    :func:`_eager_mask_branch`); a call must pass them all to run this graph."""
+
+    def takes_branches_of(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        if not self.branches:
+            return True
+        flat = self.inputs.flatten(args, kwargs)
+        return all(b.holds(flat) for b in self.branches)
 
 
 class _FlatModel(nn.Module):
@@ -86,6 +96,7 @@ class _FlatModel(nn.Module):
         inputs: InputLayout,
         record: list[OutputLayout],
         autocast: torch.dtype | None = None,
+        autocast_policy: str = "native",
     ) -> None:
         super().__init__()
         self.model = model
@@ -93,6 +104,7 @@ class _FlatModel(nn.Module):
         # A list we append to, not an attribute we set: tracers may restore module attributes.
         self.record = record
         self.autocast = autocast
+        self.autocast_policy = autocast_policy
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = self.layout.num_args
@@ -101,7 +113,7 @@ class _FlatModel(nn.Module):
             out = self.model(*flat[:n], **kwargs, **self.layout.constant_kwargs)
         else:
             device = flat[0].device.type if flat else "cpu"
-            with torch.autocast(device_type=device, dtype=self.autocast):
+            with autocast_for(device, self.autocast, self.autocast_policy):
                 out = self.model(*flat[:n], **kwargs, **self.layout.constant_kwargs)
         leaves, spec = pytree.tree_flatten(out)
         positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
@@ -250,11 +262,14 @@ def capture(
     *,
     method: str = "auto",
     autocast: torch.dtype | None = None,
+    autocast_policy: str = "native",
 ) -> Captured:
     """Trace ``model(*args, **kwargs)``; ``method`` is ``auto``, ``export`` or ``symbolic_trace``.
 
     ``autocast``: trace under ``torch.autocast`` with this 16-bit dtype (mixed precision): the
     graph then holds the casts, and its activations have the sizes mixed precision gives them.
+    ``autocast_policy``: ``cuda`` casts as CUDA autocast does although the tensors are on the
+    CPU (:mod:`remat.graph.autocast`: plans for a GPU profile); ``native``: the tensors' own.
 
     The model is not modified: its parameters, buffers and training flags are as before.
     """
@@ -269,13 +284,15 @@ def capture(
         )
     flat_inputs = tuple(layout.flatten(args, kwargs))
     record: list[OutputLayout] = []
-    wrapper = _FlatModel(model, layout, record, autocast)
+    wrapper = _FlatModel(model, layout, record, autocast, autocast_policy)
     export_error: BaseException | None = None
+    branches: list[Branch] = []
     gm: nn.Module | None = None
     used = method
     if method in ("auto", "export"):
         try:
-            with _eager_mask_branch(model, args, kwargs):
+            branches.clear()
+            with _eager_mask_branch(wrapper, flat_inputs, branches):
                 gm = torch.export.export(wrapper, flat_inputs, strict=False).module()
             if autocast is not None:
                 inline_autocast(gm)  # type: ignore[arg-type]
@@ -287,8 +304,9 @@ def capture(
     if gm is None:
         try:
             traced = torch.fx.symbolic_trace(model, concrete_args=dict(layout.constant_kwargs))
-            gm = _FlatModel(traced, layout, record, autocast)
+            gm = _FlatModel(traced, layout, record, autocast, autocast_policy)
             used = "symbolic_trace"
+            branches.clear()
             with torch.no_grad():
                 gm(*flat_inputs)  # records the output layout
         except Exception as e:  # noqa: BLE001 - re-raised with context below
@@ -302,63 +320,153 @@ def capture(
         )
     if isinstance(gm, torch.fx.GraphModule):
         _strip_asserts(gm)
-    return Captured(gm, used, layout, outputs, flat_inputs)
+    return Captured(gm, used, layout, outputs, flat_inputs, tuple(branches))
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A data-dependent test of Hugging Face's mask code, answered on an example input."""
+
+    input_index: int
+    """Position of the tested tensor among the flat inputs."""
+    test: str
+    """``unpacked`` (position ids: one sequence per row) or ``no_padding`` (all ones)."""
+    answer: bool
+
+    def holds(self, flat_inputs: list[torch.Tensor]) -> bool:
+        """Whether a call's inputs take the branch this graph was traced on."""
+        return _BRANCH_TESTS[self.test](flat_inputs[self.input_index]) == self.answer
+
+
+def _unpacked(position_ids: torch.Tensor) -> bool:
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None or position_ids.dim() != 2:
+        return False
+    return bool(find(position_ids) is None)
+
+
+def _no_padding(attention_mask: torch.Tensor) -> bool:
+    return bool(attention_mask.dim() == 2 and attention_mask.all())
+
+
+_BRANCH_TESTS = {"unpacked": _unpacked, "no_padding": _no_padding}
 
 
 @contextlib.contextmanager
 def _eager_mask_branch(
-    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    wrapper: nn.Module, examples: tuple[torch.Tensor, ...], branches: list[Branch]
 ) -> Iterator[None]:
-    """Let Hugging Face's mask code take its eager branch while remat exports.
+    """Let Hugging Face's mask code take, while remat exports, the branch eager takes.
 
-    Why: with no padding mask, equal query and key lengths and unpacked positions, eager
-    transformers passes ``is_causal=True`` to SDPA; when exporting it always materialises the
-    causal mask instead, because two of its checks cannot run on traced tensors: "not
-    exporting" and "positions not packed" (a data-dependent test on ``position_ids``). Both
-    compute the same attention, through kernels that round differently once the sequence spans
-    several of the kernel's blocks (a Llama at sequence 128 differed in 67 gradients), so the
-    exported step would not be bitwise eager's. remat's graph is specialised to the example
-    inputs' shapes, so the export check is moot; positions are known unpacked only when a
-    Hugging Face model is called directly without them (it counts them itself) -- otherwise
-    transformers' traced branch stays. A padding mask is still seen as traced, so masks built
-    from it are kept."""
-    mod = sys.modules.get("transformers.masking_utils")
-    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
-    if mod is None or not all(hasattr(mod, n) for n in names):
+    Why: with no padding, equal query and key lengths and unpacked positions, eager
+    transformers passes no mask to SDPA (``is_causal=True``), and a decoder with grouped-query
+    attention lets SDPA handle the key/value heads (``enable_gqa=True``): the CPU flash kernel
+    then sums each key/value head's gradient over its query heads inside its block loop. While
+    exporting it materialises the causal mask instead, because it cannot read traced tensors
+    ("not exporting", "positions not packed", "no padding"), and with a mask it repeats the
+    key/value heads (``repeat_kv``) so that their gradients are summed after the kernel by the
+    expand's backward (``sum.dim_IntList``): the same sums in another order once the sequence
+    spans several of the kernel's query blocks (a GQA Qwen2 at sequence 256 differed in 30 of
+    39 gradients, in every k/v projection first; the materialised mask itself rounds as
+    ``is_causal`` does). So while remat exports:
+
+    - "exporting" is answered no: the graph is specialised to the example shapes anyway;
+    - "positions packed" is answered no inside any Hugging Face model called without
+      ``position_ids``, at any depth (it counts them itself with ``arange``), so a training
+      wrapper around the model takes eager's branch too;
+    - position ids or an attention mask that are example inputs, passed to a Hugging Face model
+      as they are, are tested on their real values; each answer is recorded in ``branches``,
+      and :meth:`Branch.holds` lets the remat module plan again for a call whose inputs take the
+      other branch (a batch with padding). Position ids or masks computed by the caller keep
+      transformers' traced branch (the mask is built).
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
+    if masking is None or not all(hasattr(masking, n) for n in names):
         yield
         return
-    unpacked = _counts_its_own_positions(model, args, kwargs)
-    saved = {n: getattr(mod, n) for n in names}
+    from transformers import PreTrainedModel  # imported already: its masking_utils is
+
+    # The tests on every example input that could be position ids or a mask, answered before
+    # exporting: inside it, even ops on real tensors are traced.
+    answers = {
+        (i, test): f(t)
+        for i, t in enumerate(examples)
+        if not tc.is_fake(t) and t.dim() == 2 and not t.is_floating_point()
+        for test, f in _BRANCH_TESTS.items()
+    }
+    traced_index: dict[int, int] = {}  # id(traced input) -> its flat index
+    calls: list[tuple[bool | None, bool | None]] = []  # per active HF call: unpacked, no padding
+
+    def known(value: Any, test: str) -> bool | None:
+        """The example's answer for a traced input passed as it is; None for anything else."""
+        index = traced_index.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if index is None or (index, test) not in answers:
+            return None
+        branch = Branch(index, test, answers[index, test])
+        if branch not in branches:
+            branches.append(branch)
+        return branch.answer
+
+    def on_inputs(module: nn.Module, flat: tuple[Any, ...]) -> None:
+        traced_index.clear()
+        traced_index.update({id(t): i for i, t in enumerate(flat)})
+
+    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        bound = _bind(module, args, kwargs)
+        if bound is None:
+            calls.append((None, None))
+            return
+        extra = bound.get("kwargs")
+        extra = extra if isinstance(extra, Mapping) else {}
+        positions = bound.get("position_ids", extra.get("position_ids"))
+        mask = bound.get("attention_mask", extra.get("attention_mask"))
+        unpacked = True if positions is None else known(positions, "unpacked")
+        no_padding = None if mask is None else known(mask, "no_padding")
+        calls.append((unpacked, no_padding))
+
+    def leave(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        calls.pop()
+
+    saved = {n: getattr(masking, n) for n in names}
+    find_packed = saved["find_packed_sequence_indices"]
+    ignore_mask = saved["_ignore_causal_mask_sdpa"]
+
+    def find(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if calls and calls[-1][0]:
+            return None  # counted by the model itself, or unpacked in the example
+        return find_packed(position_ids)  # type: ignore[no-any-return]
+
+    def ignore(padding_mask: torch.Tensor | None, *rest: Any, **kw: Any) -> bool:
+        if padding_mask is not None and calls and calls[-1][1]:
+            padding_mask = None  # the example's mask is all ones: as no padding at all
+        return ignore_mask(padding_mask, *rest, **kw)  # type: ignore[no-any-return]
+
+    handles = [wrapper.register_forward_pre_hook(on_inputs)]
+    for m in wrapper.modules():
+        if isinstance(m, PreTrainedModel):
+            handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
+            handles.append(m.register_forward_hook(leave, with_kwargs=True, always_call=True))
     try:
-        mod.is_torchdynamo_exporting = lambda: False  # type: ignore[attr-defined]
-        if unpacked:
-            mod.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[attr-defined]
+        masking.is_torchdynamo_exporting = lambda: False  # type: ignore[attr-defined]
+        masking.find_packed_sequence_indices = find  # type: ignore[attr-defined]
+        masking._ignore_causal_mask_sdpa = ignore  # type: ignore[attr-defined]
         yield
     finally:
         for n, f in saved.items():
-            setattr(mod, n, f)
+            setattr(masking, n, f)
+        for h in handles:
+            h.remove()
 
 
-def _counts_its_own_positions(
-    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> bool:
-    """A Hugging Face model called directly with no ``position_ids``: it counts positions
-    itself (``arange``), so they are not packed. Anything else (a wrapper, whose positions may
-    be built from document ids, or positions passed in any form) is not known unpacked."""
+def _bind(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> dict[str, Any] | None:
     try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    if not isinstance(model, PreTrainedModel):
-        return False
-    try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        return dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
     except (TypeError, ValueError):
-        return False
-    extra = bound.get("kwargs")
-    return bound.get("position_ids") is None and not (
-        isinstance(extra, Mapping) and extra.get("position_ids") is not None
-    )
+        return None
 
 
 def _strip_asserts(gm: torch.fx.GraphModule) -> None:

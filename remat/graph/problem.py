@@ -83,8 +83,11 @@ def build_problem(
     *,
     device_profile: str | DeviceProfile = "cpu",
     metadata: Mapping[str, str] | None = None,
+    scratch: Mapping[str, int] | None = None,
 ) -> Problem:
-    """Annotate every node (role, storages, FLOPs, time, randomness, module path)."""
+    """Annotate every node (role, storages, FLOPs, time, randomness, module path).
+    ``scratch``: kernel scratch bytes by node name (:mod:`remat.graph.scratch`)."""
+    scratch = scratch or {}
     profile = get_profile(device_profile)
     graph = joint.graph_module.graph
     roles = {p.name: p.role for p in joint.placeholders}
@@ -148,6 +151,7 @@ def build_problem(
                 module_path=stack[-1][0] if stack else "",
                 module_stack=stack,
                 shape=_shape(node.meta.get("val")),
+                scratch_bytes=scratch.get(node.name, 0),
             )
         )
     return Problem(

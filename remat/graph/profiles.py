@@ -113,12 +113,12 @@ def calibrate_cpu() -> DeviceProfile:
     torch.set_num_threads(1)
     try:
         n = 256
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n, device="cpu"), torch.randn(n, n, device="cpu")
         flops = _best_rate(lambda: torch.mm(a, b), 2 * n**3)
-        src = torch.randn(4 * 1024 * 1024)
+        src = torch.randn(4 * 1024 * 1024, device="cpu")
         dst = torch.empty_like(src)
         bandwidth = _best_rate(lambda: dst.copy_(src), 2 * src.nbytes)
-        small = torch.randn(8)
+        small = torch.randn(8, device="cpu")
         overhead = 1.0 / _best_rate(lambda: small.add(1.0), 1)
     finally:
         torch.set_num_threads(threads)

@@ -59,6 +59,8 @@ class Applied:
     """The traced step's peak with every block eager (no checkpoint)."""
     block_recompute_s: tuple[float, ...] = ()
     """Per block, the estimated time of what its backward recomputes."""
+    scratch: str = ""
+    """Where the allocator-only bytes (kernel scratch, RNG states) were measured, or why not."""
 
 
 def apply(
@@ -174,6 +176,7 @@ def apply(
         solution.options,
         problem.baseline.peak_bytes,
         tuple(planner.costs(solution.trace).time_s),
+        solution.trace.scratch,
     )
     return model
 

@@ -64,6 +64,7 @@ def problem_of(trace: StepTrace, device_profile: str) -> Problem:
                 time_s=e.time_s,
                 random=e.writes_outside,  # must never re-run (see remat.solver.executor)
                 savable=e.savable,
+                scratch_bytes=e.scratch_bytes,
                 region=region,
             )
         )

@@ -426,7 +426,7 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
                 decisions[name] = "recomputed in the backward (PREFER_RECOMPUTE)"
     names = [_event_name(problem, e) for e in trace.events]
     timeline = tuple(
-        TimelineStep(e.phase, name, e.allocated_bytes, e.allocated_bytes, e.recompute)
+        TimelineStep(e.phase, name, e.allocated_bytes, e.tensor_bytes, e.recompute)
         for e, name in zip(trace.events, names, strict=True)
     )
     peak = trace.peak_event
@@ -436,6 +436,7 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
     simulation = Simulation(
         timeline=timeline,
         peak_bytes=trace.peak_bytes,
+        tensor_peak_bytes=trace.tensor_peak_bytes,
         peak_step=f"{trace.events[peak].phase}:{names[peak]}",
         saved_bytes=held,
         recompute_flops=trace.recompute_flops,

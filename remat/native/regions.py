@@ -138,6 +138,11 @@ itself with ``False``, a recomputation with ``True``): how :mod:`remat.native.tr
 Empty in training: the check costs one list lookup."""
 
 
+_made_outside: list[Callable[[torch.Tensor], None]] = []
+"""Called with each tensor remat makes outside the dispatch modes (the BatchNorm scratch
+statistics below): :mod:`remat.native.trace` counts them at the allocator level."""
+
+
 def _run(region: Region, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():
         # The compiled backward graph holds the recomputation (AOTAutograd's partitioner
@@ -179,6 +184,9 @@ def running_stats_frozen(module: nn.Module) -> Iterator[None]:
                 swapped.append((m, name, buffer))
     with tc.no_dispatch_modes():
         scratch = [torch.zeros_like(b) for _, _, b in swapped]
+    for observe in _made_outside:
+        for t in scratch:
+            observe(t)
     for (m, name, _), s in zip(swapped, scratch, strict=True):
         m._buffers[name] = s
     try:

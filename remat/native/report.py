@@ -28,7 +28,14 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
             memory.add_row("gradient shards", _bytes(mem["gradient_shards"]), "ZeRO >= 2")
     memory.add_row("step, no checkpoint", _bytes(state.eager_peak_bytes), "every block eager")
     memory.add_row(
-        "step, as planned", _bytes(plan.predicted_peak_bytes), f"at {plan.simulation.peak_step}"
+        "step, as planned",
+        _bytes(plan.predicted_peak_bytes),
+        f"at the allocator, at {plan.simulation.peak_step}",
+    )
+    memory.add_row(
+        "step, tensors only",
+        _bytes(plan.predicted_tensor_peak_bytes),
+        f"live storages at their own peak; kernel scratch and RNG states {state.scratch}",
     )
     if mem is not None:
         memory.add_row("reserve", _bytes(mem["reserve"]), "allocator, workspaces")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat import _torch_compat as tc
+from remat.graph.autocast import policy_of
 from remat.graph.costs import op_time
 from remat.graph.profiles import DeviceProfile
+from remat.graph.scratch import Call, call_of, device_of, measure_scratch, where_measured_on
 from remat.meter import LiveMemoryMeter, output_tensors, training_step
 from remat.native import regions
 from remat.native.hf import real_packing_check
@@ -55,7 +58,10 @@ class OpEvent:
     """The SAC policy's key of a forward op inside a block (``None`` elsewhere and for the
     ops SAC ignores, e.g. ``detach``)."""
     allocated_bytes: int
-    """Live bytes right after the op's outputs were allocated (a peak candidate)."""
+    """Bytes at the allocator while the op runs (a peak candidate): live tensor storages
+    right after its outputs were allocated, plus its kernel's scratch and what no dispatch
+    sees (:attr:`_Recorder.unseen_bytes`), where those are measured
+    (:func:`remat.graph.scratch.where_measured`)."""
     new_bytes: int
     """Bytes of storages the op created."""
     flops: int
@@ -74,12 +80,19 @@ class OpEvent:
     """Storages its outputs reference (made during the step), as step-unique names."""
     creates: tuple[str, ...] = ()
     """Storages it created (a subset of ``holds``)."""
+    tensor_bytes: int = 0
+    """Live tensor storages right after its outputs were allocated (what a live-storage
+    meter sees)."""
+    scratch_bytes: int = 0
+    """What its kernel allocated and freed inside itself (:mod:`remat.graph.scratch`)."""
 
 
 @dataclass(frozen=True)
 class StepTrace:
     events: tuple[OpEvent, ...]
     peak_bytes: int
+    """At the allocator (the events' ``allocated_bytes``, and the moments something no
+    dispatch sees was allocated between them)."""
     blocks: tuple[str, ...]
     forward_live: tuple[tuple[int, int], ...]
     """Per block, live bytes when its forward starts and when it has returned."""
@@ -92,6 +105,10 @@ class StepTrace:
     deaths: Mapping[str, int] = field(default_factory=dict)
     """Storage -> the first event after it was freed: where the program (its variables,
     autograd's saved tensors) let go of it, which the dataflow alone does not say."""
+    tensor_peak_bytes: int = 0
+    """Live tensor storages alone (the live-storage meter's peak)."""
+    scratch: str = ""
+    """Where kernel scratch and RNG states were measured, or why they count 0."""
 
     @property
     def peak_event(self) -> int:
@@ -123,9 +140,28 @@ class _Recorder(LiveMemoryMeter):
     """The live meter, recording each op with its place in the step."""
 
     def __init__(
-        self, profile: DeviceProfile, blocks: Sequence[str], running_stats: frozenset[int]
+        self,
+        profile: DeviceProfile,
+        blocks: Sequence[str],
+        running_stats: frozenset[int],
+        allocator: bool = False,
     ) -> None:
         super().__init__()
+        self.calls: list[Call | None] | None = [] if allocator else None
+        """Each row's op call (layouts only), to measure its kernel's scratch after the
+        step; None when scratch is not measured."""
+        self.unseen_bytes = 0
+        """Live bytes the allocator holds that no dispatch sees: the RNG states checkpoint
+        frames save, FSDP2's unsharded parameters resized in place, and (an upper bound) the
+        numbers forward ops take as tensors (counted only with ``allocator``)."""
+        self.unseen_peak = 0
+        """Allocator bytes at the moments something unseen was allocated between ops."""
+        self.forward_numbers: Counter[int] = Counter()
+        """Per block, the bytes of the numbers its forward saved; released when the backward
+        reaches an earlier block (its own backward nodes have run by then)."""
+        self.replay_numbers = (-1, 0)
+        """The block being replayed and the bytes of the numbers its replay saved (see
+        :func:`_wrapped_number_bytes`), released when another block's replay starts."""
         self.running_stats = running_stats
         """Storage keys of BatchNorm running statistics: a recomputation leaves them alone
         (:func:`remat.native.regions.running_stats_frozen`), so writing them is no reason
@@ -199,6 +235,13 @@ class _Recorder(LiveMemoryMeter):
         if in_block_forward:
             self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
         flops, time_s = op_time(func, args, kwargs, out, self.profile, (in_tensors, outs))
+        if self.calls is not None and (self.phase == "forward" or self.recompute):
+            wrapped = _wrapped_number_bytes(func, args, kwargs)
+            self.unseen_bytes += wrapped
+            if self.recompute:
+                self.replay_numbers = (self.block, self.replay_numbers[1] + wrapped)
+            elif self.block >= 0:
+                self.forward_numbers[self.block] += wrapped
         self.rows.append(
             {
                 "op": str(func),
@@ -206,7 +249,6 @@ class _Recorder(LiveMemoryMeter):
                 "block": self.block,
                 "recompute": self.recompute,
                 "key": key,
-                "allocated_bytes": self.live_bytes,
                 "new_bytes": new_bytes,
                 "flops": flops,
                 "time_s": 0.0 if view else time_s,
@@ -215,9 +257,50 @@ class _Recorder(LiveMemoryMeter):
                 "reads": reads,
                 "holds": tuple(self.storage_names(outs)),
                 "creates": tuple(creates),
+                "tensor_bytes": self.live_bytes,
+                "allocated_bytes": self.live_bytes + self.unseen_bytes,
             }
         )
+        if self.calls is not None:
+            self.calls.append(call_of(func, args, kwargs))
         return out
+
+    def made_outside(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was made outside dispatch (a checkpoint frame's saved RNG state, live
+        until the frame dies with its last saved tensor; BatchNorm's scratch statistics of a
+        re-run): counted at the allocator while it lives."""
+        if self.calls is None:
+            return
+        storage = tensor.untyped_storage()
+        self.unseen_bytes += storage.nbytes()
+        self.unseen_peak = max(self.unseen_peak, self.live_bytes + self.unseen_bytes)
+        weakref.finalize(storage, self._unseen_freed, storage.nbytes())
+
+    def _unseen_freed(self, nbytes: int) -> None:
+        self.unseen_bytes -= nbytes
+
+    def backward_reaches(self, block: int) -> None:
+        """The gradient of ``block``'s output is complete: every later block's backward nodes
+        that lead to it have run and released what they saved."""
+        self.block = block
+        for later in [b for b in self.forward_numbers if b > block]:
+            self.unseen_bytes -= self.forward_numbers.pop(later)
+
+    def resized(self, delta: int) -> None:
+        """FSDP2 resized an unsharded parameter's storage in place by ``delta`` bytes."""
+        if self.calls is None:
+            return
+        self.unseen_bytes += delta
+        self.unseen_peak = max(self.unseen_peak, self.live_bytes + self.unseen_bytes)
+
+    def allocator_peak(self) -> int:
+        """Add each op's measured scratch to its row; the step's peak at the allocator."""
+        if self.calls is not None:
+            known = [(row, c) for row, c in zip(self.rows, self.calls, strict=True) if c]
+            for (row, _), b in zip(known, measure_scratch([c for _, c in known]), strict=True):
+                row["scratch_bytes"] = b
+                row["allocated_bytes"] += b
+        return max([self.unseen_peak, self.peak_bytes, *(r["allocated_bytes"] for r in self.rows)])
 
     @contextlib.contextmanager
     def region(self, region: Region, recompute: bool) -> Iterator[None]:
@@ -226,6 +309,10 @@ class _Recorder(LiveMemoryMeter):
         if not recompute:
             self.counts.clear()
             self.creator.clear()
+        elif self.replay_numbers[0] != self.block:
+            # Regions' backwards run one after another: the last one's replayed graph is gone.
+            self.unseen_bytes -= self.replay_numbers[1]
+            self.replay_numbers = (self.block, 0)
         try:
             yield
         finally:
@@ -240,6 +327,48 @@ _UNANNOTATED_WRITES: dict[Any, tuple[int, ...]] = {
 }
 """Ops whose schema does not declare the arguments they write: ``native_batch_norm`` (what
 eager BatchNorm runs on CPU) updates ``running_mean`` and ``running_var`` in training."""
+
+
+_SAVES_OTHER = frozenset(
+    str(op)
+    for op in (
+        torch.ops.aten.mul.Tensor,
+        torch.ops.aten.div.Tensor,
+        torch.ops.aten.div.Tensor_mode,
+        torch.ops.aten.pow.Tensor_Tensor,
+        torch.ops.aten.where.self,
+        torch.ops.aten.maximum.default,
+        torch.ops.aten.minimum.default,
+        torch.ops.aten.atan2.default,
+        torch.ops.aten.xlogy.Tensor,
+        torch.ops.aten.lerp.Tensor,
+        torch.ops.aten.hypot.default,
+        torch.ops.aten.clamp.Tensor,
+        torch.ops.aten.copysign.Tensor,
+    )
+)
+"""Ops whose derivative formula saves a tensor argument that may be a wrapped number."""
+
+
+def _wrapped_number_bytes(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Bytes of the 0-dim tensors Python numbers become where ``func`` takes a tensor and
+    autograd saves it (``scores / math.sqrt(d)`` calls ``div.Tensor`` with a float, and
+    ``DivBackward0`` keeps ``other``). Why: the wrapper is made before dispatch and handed to
+    modes as the number again, so no dispatch meter sees it, and a saved one bypasses saved-
+    tensor hooks (a checkpoint replay makes it again). Wrappers of other ops die with the op
+    (their bytes are in its measured scratch). When a saved one is freed is not visible here:
+    it is counted as held until the backward reaches an earlier block (a replay's: until
+    another block's replay starts), an upper bound (:meth:`_Recorder.backward_reaches`)."""
+    if str(func) not in _SAVES_OTHER or not any(t.requires_grad for t in output_tensors(args)):
+        return 0  # saved only for the gradient of a tensor that requires one
+    total = 0
+    for k, arg in enumerate(func._schema.arguments):
+        value = args[k] if k < len(args) else kwargs.get(arg.name)
+        if isinstance(value, bool | int | float | complex) and isinstance(
+            arg.type, torch.TensorType
+        ):
+            total += 1 if isinstance(value, bool) else 16 if isinstance(value, complex) else 8
+    return total
 
 
 def _written_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
@@ -274,6 +403,8 @@ class FakeModel:
         fsdp_world: int | None = None,
     ) -> None:
         self.real = real
+        self.source_device = device_of(model)
+        """Where the user's model lives (None: FakeTensors), for measuring kernel scratch."""
         self.mode: Any
         if real:
             self.mode = contextlib.nullcontext()
@@ -315,12 +446,13 @@ class FakeModel:
     ) -> StepTrace:
         """Run one training step (as :func:`remat.meter.training_step`) with ``policies[k]``
         on block ``k`` and record it."""
-        recorder = _Recorder(profile, self.blocks, self._running_stats)
+        where = where_measured_on(self.source_device, profile.name)
+        recorder = _Recorder(profile, self.blocks, self._running_stats, allocator=bool(where))
         for p in self.module.parameters():
             p.grad = None
         fake_args, fake_kwargs = pytree.tree_map(self._fake, (args, dict(kwargs)))
         if self.world is not None and not self._warm:
-            self._warm_up(fake_args, fake_kwargs, autocast)
+            self._warm_up(fake_args, fake_kwargs, autocast, policy_of(profile.name))
         with contextlib.ExitStack() as stack:
             for k, (m, policy) in enumerate(zip(self._blocks, policies, strict=True)):
                 regions.wrap(m, self.blocks[k], policy)
@@ -328,8 +460,11 @@ class FakeModel:
                 stack.enter_context(_labels(m, k, recorder))
             regions._observers.append(recorder.region)
             stack.callback(regions._observers.pop)
+            regions._made_outside.append(recorder.made_outside)
+            stack.callback(regions._made_outside.pop)
             if self.world is not None:
                 stack.enter_context(self.world.active())
+                stack.enter_context(tc.fsdp_storage_resizes(recorder.resized))
             stack.enter_context(_module_stack(self._paths, recorder.modules))
             if not self.real:
                 stack.enter_context(real_packing_check(kwargs))
@@ -341,6 +476,8 @@ class FakeModel:
                 recorder.outputs = tuple(recorder.storage_names(outputs))
 
             stack.enter_context(torch.random.fork_rng(devices=[]))
+            # After fork_rng, whose own saved state the real step does not have.
+            stack.enter_context(tc.rng_states_saved(recorder.made_outside))
             try:
                 training_step(
                     self.module,
@@ -348,6 +485,7 @@ class FakeModel:
                     fake_kwargs,
                     autocast=autocast,
                     on_backward=backward_starts,
+                    autocast_policy=policy_of(profile.name),
                 )
                 live_at_end = frozenset(recorder.names.values())
             except Exception as e:
@@ -359,18 +497,21 @@ class FakeModel:
         if missing:
             raise TraceError(f"blocks never called in the forward: {missing[:3]}")
         live = tuple(recorder.fwd_live[k] for k in range(len(self.blocks)))
+        peak = recorder.allocator_peak()
         return StepTrace(
             recorder.events(),
-            recorder.peak_bytes,
+            peak,
             self.blocks,
             live,
             recorder.storage_bytes,
             recorder.outputs,
             live_at_end,
             dict(recorder.deaths),
+            tensor_peak_bytes=recorder.peak_bytes,
+            scratch=where or "not measured (FakeTensors, or another device): counts 0",
         )
 
-    def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None) -> None:
+    def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None, policy: str) -> None:
         """One unrecorded step: FSDP2 initialises lazily in its first forward (its unsharded
         parameter storages, kept and resized from then on), so the recorded steps are the
         steady ones a training run repeats."""
@@ -381,7 +522,7 @@ class FakeModel:
             self.mode,
             torch.random.fork_rng(devices=[]),
         ):
-            training_step(self.module, args, kwargs, autocast=autocast)
+            training_step(self.module, args, kwargs, autocast=autocast, autocast_policy=policy)
         for p in self.module.parameters():
             p.grad = None
         self._warm = True
@@ -446,7 +587,7 @@ def _module_stack(paths: Mapping[int, str], stack: list[str]) -> Iterator[None]:
 
 def _starts_backward(recorder: _Recorder, k: int) -> Any:
     def hook(grad: torch.Tensor) -> None:
-        recorder.block = k
+        recorder.backward_reaches(k)
 
     return hook
 

@@ -73,6 +73,7 @@ class _RematFunction(torch.autograd.Function):
         ctx.remat_saved = [t.detach() if id(t) in user_ids else t for t in outs[n_user + n_mut :]]
         ctx.remat_external = [primals[i] for i in ex.backward_external]
         ctx.remat_executor = ex
+        ctx.remat_devices = [t.device for t in user]  # a missing output gradient's device
         del outs
         ctx.set_materialize_grads(False)
         non_diff = [t for t in user if not (t.is_floating_point() or t.is_complex())]
@@ -92,7 +93,7 @@ class _RematFunction(torch.autograd.Function):
         ctx.remat_saved = None
         args.extend(ctx.remat_external)
         for out_index, spec in zip(ex.tangent_outputs, ex.tangent_specs, strict=True):
-            args.append(_as_traced(grad_outputs[out_index], spec))
+            args.append(_as_traced(grad_outputs[out_index], spec, ctx.remat_devices[out_index]))
         grads = ex.graphs.backward(args)
         result: list[torch.Tensor | None] = [None] * (1 + len(ex.primal_keys))
         for index, g in zip(ex.grad_targets, grads, strict=True):
@@ -100,10 +101,12 @@ class _RematFunction(torch.autograd.Function):
         return tuple(result)
 
 
-def _as_traced(grad: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor:
-    """The output gradient in the layout the backward graph was traced with."""
+def _as_traced(grad: torch.Tensor | None, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+    """The output gradient in the layout the backward graph was traced with; zeros on the
+    output's device where autograd passes none (never on the default device)."""
     if grad is None:
-        return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype).zero_()
+        out = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=device)
+        return out.zero_()
     if tuple(grad.shape) != spec.shape:
         raise RuntimeError(
             f"remat: output gradient of shape {tuple(grad.shape)}, expected {spec.shape}"

@@ -143,13 +143,22 @@ class RematModule(nn.Module):
         return f"source={self._source_name}, plan={p.solver}, predicted_peak={p.predicted_peak_bytes:,} B"
 
     def _compiled_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Compiled:
-        key = (self.training, signature(args, kwargs))
+        key: tuple[Any, ...] = (self.training, signature(args, kwargs))
         found = self._compiled.get(key)
-        if found is not None:
+        if found is not None and found.captured.takes_branches_of(args, kwargs):
             return found
+        if found is not None:
+            # Same shapes, but Hugging Face's mask code takes another branch on these inputs
+            # (padding, packed positions): a graph traced on that branch.
+            flat = found.captured.inputs.flatten(args, kwargs)
+            key = (*key, tuple(b.holds(flat) for b in found.captured.branches))
+            again = self._compiled.get(key)
+            if again is not None and again.captured.takes_branches_of(args, kwargs):
+                return again
         warnings.warn(
             f"remat: planning again for {'training' if self.training else 'eval'} mode with "
-            "new input shapes/options (graphs are specialised to the inputs they were traced with)",
+            "new input shapes/options (graphs are specialised to the inputs they were traced "
+            "with, and to the branches Hugging Face's mask code takes on them)",
             stacklevel=3,
         )
         source: nn.Module = self._source

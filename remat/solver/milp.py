@@ -179,7 +179,7 @@ class _Model:
                 if holders.get(s, 0) == 0:
                     live += p.storage_bytes[s]
                 holders[s] = holders.get(s, 0) + 1
-            self.bw_base.append(live)
+            self.bw_base.append(live + v.scratch_bytes)  # the kernel's scratch, while it runs
             self.bw_hold.append(frozenset(s for s, c in fwd_held.items() if c))
             dead = [i for i in v.inputs if last.get(i) == k and values[i].role is Role.BACKWARD]
             if v.name not in last and v.name not in grads:
@@ -253,7 +253,8 @@ class _Model:
                 if alloc[s] <= k <= d and (n in core or alloc[s] < k)
             )
             live += p.storages_bytes(s for s in self.user_storages if alloc.get(s, end) <= k)
-            self.fw_base.append(live)
+            # An optional op's scratch counts only if it runs (the model's f[n]).
+            self.fw_base.append(live + (values[n].scratch_bytes if n in core else 0))
 
     # ----------------------------------------------------------------- model
     def _tick(self) -> None:
@@ -485,6 +486,9 @@ class _Model:
             if k in extend_at:
                 running = running + pulp.lpSum(b * v for b, v in extend_at[k])
             extra = pulp.lpSum(b * v for b, v in transient.get(k, []))
+            n = self.fwd[k]
+            if n in f and values[n].scratch_bytes:
+                extra += values[n].scratch_bytes * f[n]
             lp += self.fw_base[k] + running + extra <= M, f"mem_fw_{k}"
 
         # Recompute time in nanoseconds: solvers' default absolute gaps (HiGHS: 1e-6) would
@@ -551,9 +555,13 @@ class _Model:
                 for part in parts:
                     lp += a >= part
                 terms.append((p.storage_bytes[s], a))
+        scratch = p.by_name[w].scratch_bytes  # w's kernel, while it runs
         lp += (
-            self.pre_base[t] + p.storages_bytes(held) + pulp.lpSum(b * a for b, a in terms)
-            <= self.M + self.total_bytes * (1 - var_w),
+            self.pre_base[t]
+            + scratch
+            + p.storages_bytes(held)
+            + pulp.lpSum(b * a for b, a in terms)
+            <= self.M + (self.total_bytes + scratch) * (1 - var_w),
             f"cut_{self.cuts}",
         )
         self.cuts += 1

@@ -41,9 +41,16 @@ class Plan:
     @property
     def predicted_peak_bytes(self) -> int:
         """Peak bytes allocated during one training step (forward and backward, parameter
-        gradients included; parameters and optimizer state excluded): what the live meter
-        measures."""
+        gradients included; parameters and optimizer state excluded) at the allocator: live
+        storages plus the running kernel's scratch, where it was measured
+        (:mod:`remat.graph.scratch`; the problem's ``metadata["scratch"]`` says where). Budgets are
+        enforced against it."""
         return self.simulation.peak_bytes
+
+    @property
+    def predicted_tensor_peak_bytes(self) -> int:
+        """The same peak without kernel scratch: what a live-storage meter measures."""
+        return self.simulation.tensor_peak_bytes
 
     @property
     def saved_bytes(self) -> int:

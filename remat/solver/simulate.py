@@ -16,8 +16,10 @@ The model of the executor (it mirrors :mod:`remat.rewrite.executor` and FX's cod
   (the tangents); the autograd engine holds them until the backward returns;
 * the backward's gradients are returned and stored as ``.grad`` (stolen, not copied).
 
-``peak_bytes`` is the maximum live total over the step: exactly what
-:class:`remat.meter.LiveMemoryMeter` measures on a real run.
+``tensor_peak_bytes`` is the maximum live total over the step: exactly what
+:class:`remat.meter.LiveMemoryMeter` measures on a real run. ``peak_bytes`` adds, at each op,
+the scratch its kernel allocates and frees inside itself (:attr:`remat.Value.scratch_bytes`):
+what the allocator holds at its peak (:func:`remat.meter.allocator_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class TimelineStep:
     """``forward``, ``backward`` (backward ops and recomputations) or ``runtime``."""
     name: str
     allocated_bytes: int
-    """Live bytes right after this step's allocations (a peak candidate)."""
+    """Live bytes right after this step's allocations, plus the op's scratch (a peak
+    candidate at the allocator)."""
     live_bytes: int
     """Live bytes after this step's frees."""
     recompute: bool = False
@@ -46,6 +49,9 @@ class TimelineStep:
 class Simulation:
     timeline: tuple[TimelineStep, ...]
     peak_bytes: int
+    """At the allocator: live storages plus the running op's scratch."""
+    tensor_peak_bytes: int
+    """Live storages alone (what a live-storage meter measures)."""
     peak_step: str
     saved_bytes: int
     """Bytes the forward leaves to the backward (saved values, deduplicated by storage)."""
@@ -71,6 +77,7 @@ class _Memory:
         self.holders: Counter[str] = Counter()
         self.live = 0
         self.peak = 0
+        self.tensor_peak = 0
         self.peak_step = ""
         self.timeline: list[TimelineStep] = []
         self.opened: dict[str, int] = {}
@@ -93,7 +100,11 @@ class _Memory:
                     # Counted in the current step's allocated bytes (freed after it).
                     self.intervals.setdefault(s, []).append((self.opened[s], len(self.timeline)))
 
-    def record(self, phase: str, name: str, allocated: int, recompute: bool = False) -> None:
+    def record(
+        self, phase: str, name: str, allocated: int, recompute: bool = False, scratch: int = 0
+    ) -> None:
+        self.tensor_peak = max(self.tensor_peak, allocated)
+        allocated += scratch
         if allocated > self.peak:
             self.peak, self.peak_step = allocated, f"{phase}:{name}"
         self.timeline.append(TimelineStep(phase, name, allocated, self.live, recompute))
@@ -139,7 +150,7 @@ def _run_graph(
         allocated = mem.live
         for dead in frees.get(k, ()):
             mem.drop(dead)
-        mem.record(phase, name, allocated, name in recomputed)
+        mem.record(phase, name, allocated, name in recomputed, problem.by_name[name].scratch_bytes)
 
 
 def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -> Simulation:
@@ -181,6 +192,7 @@ def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -
     return Simulation(
         timeline=tuple(mem.timeline),
         peak_bytes=mem.peak,
+        tensor_peak_bytes=mem.tensor_peak,
         peak_step=mem.peak_step,
         saved_bytes=saved_bytes,
         recompute_flops=sum(v.flops for v in recomputed),

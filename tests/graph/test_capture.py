@@ -143,8 +143,11 @@ def test_sparse_input_is_rejected() -> None:
 
 def test_hf_causal_mask_takes_eager_branch_so_llama_trains_bitwise() -> None:
     """Exporting, transformers materialises the causal mask where eager passes ``is_causal=True``
-    to SDPA: the same attention, rounded differently once the sequence spans several kernel
-    blocks (at sequence 128, 67 gradients of a Llama differed from eager's)."""
+    to SDPA, and then repeats a GQA model's key/value heads (``repeat_kv``) where eager lets the
+    kernel handle them (``enable_gqa``): the key/value gradients are summed in another order
+    once the sequence spans several kernel blocks (at sequence 256, 30 of 39 gradients of a
+    GQA Qwen2 under a loss wrapper differed from eager's; at 128, 67 of a Llama called directly).
+    """
     transformers = pytest.importorskip("transformers")
     import transformers.masking_utils as mu
 
@@ -157,11 +160,13 @@ def test_hf_causal_mask_takes_eager_branch_so_llama_trains_bitwise() -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 128, (2, 128))
-    originals = (mu.is_torchdynamo_exporting, mu.find_packed_sequence_indices)
+    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
+    originals = tuple(getattr(mu, n) for n in names)
+    packed = torch.cat([torch.arange(50), torch.arange(78)]).unsqueeze(0)
 
     def masks(kwargs: dict[str, torch.Tensor], m: nn.Module = model) -> list[bool]:
         gm = capture(m, (ids,), kwargs).graph_module
-        assert (mu.is_torchdynamo_exporting, mu.find_packed_sequence_indices) == originals
+        assert tuple(getattr(mu, n) for n in names) == originals
         sdpa = torch.ops.aten.scaled_dot_product_attention.default  # (q, k, v, attn_mask, ...)
         return [
             n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) is not None
@@ -171,10 +176,28 @@ def test_hf_causal_mask_takes_eager_branch_so_llama_trains_bitwise() -> None:
 
     assert masks({}) == [False]
     assert_trains_like_eager(model, (ids,), {}, steps=2, solver="keep_all")
-    # Positions from the caller may be packed: transformers' traced branch (a mask) stays; so
-    # it does under a wrapper, which may build packed positions itself.
-    assert masks({"position_ids": torch.arange(128).unsqueeze(0)}) == [True]
-    assert masks({}, Wrapped(model)) == [True]
+    # A wrapper calling the model without positions: the model counts them itself.
+    assert masks({}, Wrapped(model)) == [False]
+    assert_trains_like_eager(Wrapped(model), (ids,), {}, steps=2, solver="keep_all")
+    # Positions or a mask from the caller: the example's own branch (recorded, and a call
+    # taking the other one plans again: tests/rewrite/test_module.py).
+    assert masks({"position_ids": torch.arange(128).unsqueeze(0)}) == [False]
+    assert masks({"position_ids": packed}) == [True]
+    assert masks({"attention_mask": torch.ones_like(ids)}) == [False]
+    assert masks({"attention_mask": torch.ones_like(ids).tril(60)[:2]}) == [True]
+    # Positions a wrapper computes itself may be packed: transformers' traced branch stays.
+    assert masks({}, PackingWrapper(model)) == [True]
+
+
+class PackingWrapper(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        half = ids.shape[1] // 2
+        positions = torch.cat([torch.arange(half), torch.arange(ids.shape[1] - half)])
+        return self.inner(ids, position_ids=positions.unsqueeze(0)).logits
 
 
 class Wrapped(nn.Module):

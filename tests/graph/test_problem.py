@@ -142,7 +142,7 @@ def test_attention_without_dropout_is_not_random_and_recomputes_bitwise() -> Non
     assert attn and not any(v.random for v in attn)
     check = verify(_Attention(0.0), (x,), plan="keep_inputs", steps=2)
     assert set(check.plan.recomputed) & {v.name for v in attn}
-    assert all(not s.mismatches and s.predicted_peak_bytes == s.measured_peak_bytes
+    assert all(not s.mismatches and s.predicted_tensor_peak_bytes == s.measured_tensor_peak_bytes
                for s in check.steps)  # fmt: skip
     # With dropout the CPU kernel takes the math path: its dropout op is random.
     dropped = remat.analyze(_Attention(0.5), (x,)).problem

@@ -2,7 +2,8 @@
 
 Both runs start from the same weights and see the same per-rank batches and random streams:
 once without remat, once with ``remat.apply`` before the engine wraps the model. Each rank
-saves its parameters after every step and its live-meter peak of the first step.
+saves its parameters after every step and the last step's peaks: live-storage meter and
+allocator (profiler), measured in the same run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
-from remat.meter import LiveMemoryMeter, training_step
+from remat.meter import measure_step
 from remat.models import TinyGPT
 
 STEPS = 3
@@ -45,16 +46,15 @@ def _wrap(model: nn.Module, engine: str) -> nn.Module:
 def _train(model: nn.Module, tokens: torch.Tensor, rank: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     params: list[dict[str, torch.Tensor]] = []
-    peak = 0  # of the last step
+    peak = alloc = 0  # of the last step
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(1000 * (rank + 1) + step)
-        with LiveMemoryMeter() as meter:
-            training_step(model, (tokens,), seed=step)
-        peak = meter.peak_bytes
+        measured = measure_step(model, (tokens,), seed=step, allocator=True)
+        peak, alloc = measured.peak_bytes, measured.allocator_peak_bytes
         opt.step()
         params.append({n: _full(p).clone() for n, p in model.named_parameters()})
-    return {"params": params, "peak": peak}
+    return {"params": params, "peak": peak, "allocator": alloc}
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -79,6 +79,7 @@ def main(rank: int, world: int, engine: str, out: str, budget: int) -> None:
                 "plain": plain,
                 "remat": ours,
                 "predicted": plan.predicted_peak_bytes,
+                "predicted_tensors": plan.predicted_tensor_peak_bytes,
                 "solver": plan.solver,
             },
             Path(out) / f"{engine}_{rank}.pt",

@@ -68,8 +68,8 @@ def test_solver_plans_fit_train_bitwise_and_are_measured_as_predicted(
     assert result.plan.solver == f"native:{solver}"
     assert result.plan.predicted_peak_bytes <= budget
     for step in result.steps:
-        assert step.predicted_peak_bytes == step.measured_peak_bytes
-        assert step.measured_peak_bytes <= budget
+        assert step.predicted_tensor_peak_bytes == step.measured_tensor_peak_bytes
+        assert step.measured_tensor_peak_bytes <= budget
 
 
 def test_an_unknown_native_solver_lists_the_valid_ones() -> None:

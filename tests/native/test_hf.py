@@ -80,4 +80,4 @@ def test_peft_lora_plan_counts_frozen_weights_and_trains_bitwise() -> None:
     assert memory["optimizer_state"] == 8 * trainable  # AdamW moments of the LoRA weights only
     assert memory["parameters"] == 4 * (trainable + frozen)
     for step in result.steps:
-        assert step.predicted_peak_bytes == step.measured_peak_bytes
+        assert step.predicted_tensor_peak_bytes == step.measured_tensor_peak_bytes

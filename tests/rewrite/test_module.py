@@ -4,6 +4,7 @@ left alone."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -101,6 +102,39 @@ def test_new_input_shapes_plan_again() -> None:
     assert torch.equal(out, twin(x))
 
 
+def test_a_batch_taking_another_hf_mask_branch_plans_again() -> None:
+    """Planned on a batch without padding (no mask: SDPA's ``is_causal`` and GQA kernel), a
+    batch with padding takes transformers' masked branch (``repeat_kv``), as eager does."""
+    pytest.importorskip("transformers")
+    from tests.zoo import llama
+
+    torch.manual_seed(0)
+    model = llama(1, 128)
+    for m in model.modules():  # no attention dropout: SDPA's flash kernel, as in eval or Qwen2
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.0
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 128))
+    ones = torch.ones_like(ids)
+    padded = ones.clone()
+    padded[1, 90:] = 0
+    fast = remat.optimize(model, (ids,), example_kwargs={"attention_mask": ones}, plan="keep_all")
+    for mask, plans in ((ones, 1), (padded, 2), (ones, 2)):
+        for m in (ref, fast):
+            m.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        ref(ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+        torch.manual_seed(3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fast(ids, attention_mask=mask).logits.sum().backward()
+        assert len(fast.plans) == plans
+        assert bool(caught) == (mask is padded)
+        grads = dict(ref.named_parameters())
+        for name, p in fast.named_parameters():
+            assert torch.equal(p.grad, grads[name].grad), name
+
+
 def test_backward_twice_is_a_clear_error() -> None:
     model = TiedAutoencoder()
     fast = remat.optimize(model, torch.randn(2, 48))
@@ -189,3 +223,32 @@ def test_option_errors() -> None:
 def test_repr_mentions_the_plan() -> None:
     fast = remat.optimize(nn.Linear(4, 4), torch.randn(2, 4))
     assert "plan=auto" in repr(fast) and "predicted_peak" in repr(fast)
+
+
+def test_the_executor_makes_no_tensor_on_the_default_device() -> None:
+    """Every tensor the step makes takes its device from its inputs. With the default device
+    set to ``meta``, a factory without ``device=`` in the forward (the meter's output
+    gradients) makes a meta tensor and the step fails; the backward runs without the default
+    device's mode, so the missing output gradient's zeros are checked directly."""
+    from remat.meter import training_step
+    from remat.rewrite.executor import TensorSpec, _as_traced
+    from tests.zoo import TwoHeads
+
+    zeros = _as_traced(None, TensorSpec((2, 3), (3, 1), torch.float32), torch.device("meta"))
+    assert zeros.device.type == "meta" and zeros.shape == (2, 3)
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x = torch.randn(8, 32)
+    fast = remat.optimize(model, (x,), plan="keep_inputs")
+    ref = copy.deepcopy(model)
+    torch.set_default_device("meta")
+    try:
+        for m in (ref, fast):
+            torch.manual_seed(2)
+            training_step(m, (x,))
+    finally:
+        torch.set_default_device(None)
+    grads = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, grads[name].grad), name

@@ -1,0 +1,48 @@
+"""Kernel scratch: what an op allocates and frees inside itself, measured once per signature."""
+
+from __future__ import annotations
+
+import torch
+
+from remat.graph import scratch
+from remat.graph.scratch import call_of, measure_scratch, where_measured
+from remat.meter import allocator_peak_bytes
+from remat.models import TinyGPT
+
+aten = torch.ops.aten
+
+
+def test_scratch_is_the_in_op_peak_above_the_outputs() -> None:
+    """``native_dropout_backward`` scales ``grad * mask`` in a temporary before the output:
+    one temporary the size of the output, seen by the allocator, not by a tensor meter."""
+    grad = torch.randn(64, 256)
+    mask = torch.rand(64, 256) > 0.5
+    call = call_of(aten.native_dropout_backward.default, (grad, mask, 2.0), {})
+    assert call is not None
+    (measured,) = measure_scratch([call])
+    out_bytes = grad.nbytes
+    peak = allocator_peak_bytes(lambda: aten.native_dropout_backward.default(grad, mask, 2.0))
+    assert measured == peak - out_bytes > 0
+    (pointwise,) = measure_scratch([call_of(aten.add.Tensor, (grad, grad), {})])
+    assert pointwise == 0
+
+
+def test_calls_hold_no_tensor_and_unmeasured_ops_are_left_out() -> None:
+    x = torch.randn(8, 8)
+    call = call_of(aten.mm.default, (x, x), {})
+    assert call is not None
+    assert not any(isinstance(leaf, torch.Tensor) for leaf in call.leaves)
+    # Both arguments share one storage: so does the call made again.
+    assert {leaf.group for leaf in call.leaves} == {0}
+    assert call_of(aten.view.default, (x, [64]), {}) is None  # a view runs no kernel
+    assert call_of(aten.add.Tensor, (1, 2), {}) is None  # no tensor
+    before = len(scratch._CACHE)
+    measure_scratch([call, call])
+    measure_scratch([call])
+    assert len(scratch._CACHE) <= before + 1  # once per signature
+
+
+def test_where_scratch_is_measured() -> None:
+    model = TinyGPT(vocab=16, dim=16, heads=2, layers=1, seq=8)
+    assert where_measured(model, "cpu") is not None
+    assert where_measured(model, "h100") is None  # CPU kernels say nothing of a GPU's
