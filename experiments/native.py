@@ -10,8 +10,9 @@ Peers, each applied to the model's own blocks:
 - ``torch budget F``: ``torch.compile`` with the min-cut partitioner under
   ``activation_memory_budget = F`` (``--partitioner``; compiled, so not the same executor).
 
-For each peer, remat is asked for exactly the peer's measured live peak. Columns: live peak
-(MiB), recompute GFLOP (FlopCounterMode over the whole step, minus eager's), step time over
+For each peer, remat is asked for exactly the peer's measured allocator peak (where a step
+runs out of memory; remat's prediction is at that level). Columns: live peak and allocator
+peak (MiB), remat's prediction, recompute GFLOP (FlopCounterMode over the whole step, minus eager's), step time over
 eager (one thread, interleaved rounds, one process), and whether outputs and every gradient
 are bitwise eager's. Writes ``experiments/results/native/<model>.csv``.
 
@@ -83,6 +84,7 @@ def run(name: str, reps: int, time_limit: float, partitioner: bool) -> list[dict
                 "recompute_gflop": flops / 1e9,
                 "bitwise": row.equal,
                 "peak_bytes": row.peak_bytes,
+                "allocator_bytes": row.allocator_peak_bytes,
             }
         )
         steps[peer] = functools.partial(peers.step, module, args)
@@ -108,11 +110,12 @@ def run(name: str, reps: int, time_limit: float, partitioner: bool) -> list[dict
                     "recompute_gflop": (row.recompute_flops or 0) / 1e9,
                     "bitwise": row.equal,
                     "peak_bytes": row.peak_bytes,
+                    "allocator_bytes": row.allocator_peak_bytes,
                 }
             )
             steps[f"torch budget {fraction:g}"] = compiled
     for peer_row in [r for r in rows if r["peer"] != "eager"]:
-        target = peer_row["peak_bytes"]
+        target = peer_row["allocator_bytes"]
         label = f"remat @ {peer_row['peer']}"
         try:
             m = _applied(model, args, activation_budget_bytes=target, time_limit_s=time_limit)
