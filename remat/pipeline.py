@@ -98,7 +98,7 @@ def _scratch(
     name = device_profile.name if isinstance(device_profile, DeviceProfile) else device_profile
     where = where_measured(model, name)
     if where is None:
-        return {}, f"not measured ({_why_not(model, name)}): kernel scratch counts 0"
+        return {}, f"not measured ({_why_not(model, name)}): counts 0"
     return scratch_of_graph(joint.graph_module), where
 
 

@@ -382,82 +382,94 @@ def _eager_mask_branch(
       transformers' traced branch (the mask is built).
     """
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
-    if masking is None or not all(hasattr(masking, n) for n in names):
+    if masking is None or not all(hasattr(masking, n) for n in _PATCHED):
         yield
         return
     from transformers import PreTrainedModel  # imported already: its masking_utils is
 
-    # The tests on every example input that could be position ids or a mask, answered before
-    # exporting: inside it, even ops on real tensors are traced.
-    answers = {
-        (i, test): f(t)
-        for i, t in enumerate(examples)
-        if not tc.is_fake(t) and t.dim() == 2 and not t.is_floating_point()
-        for test, f in _BRANCH_TESTS.items()
-    }
-    traced_index: dict[int, int] = {}  # id(traced input) -> its flat index
-    calls: list[tuple[bool | None, bool | None]] = []  # per active HF call: unpacked, no padding
-
-    def known(value: Any, test: str) -> bool | None:
-        """The example's answer for a traced input passed as it is; None for anything else."""
-        index = traced_index.get(id(value)) if isinstance(value, torch.Tensor) else None
-        if index is None or (index, test) not in answers:
-            return None
-        branch = Branch(index, test, answers[index, test])
-        if branch not in branches:
-            branches.append(branch)
-        return branch.answer
-
-    def on_inputs(module: nn.Module, flat: tuple[Any, ...]) -> None:
-        traced_index.clear()
-        traced_index.update({id(t): i for i, t in enumerate(flat)})
-
-    def enter(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        bound = _bind(module, args, kwargs)
-        if bound is None:
-            calls.append((None, None))
-            return
-        extra = bound.get("kwargs")
-        extra = extra if isinstance(extra, Mapping) else {}
-        positions = bound.get("position_ids", extra.get("position_ids"))
-        mask = bound.get("attention_mask", extra.get("attention_mask"))
-        unpacked = True if positions is None else known(positions, "unpacked")
-        no_padding = None if mask is None else known(mask, "no_padding")
-        calls.append((unpacked, no_padding))
-
-    def leave(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-        calls.pop()
-
-    saved = {n: getattr(masking, n) for n in names}
-    find_packed = saved["find_packed_sequence_indices"]
-    ignore_mask = saved["_ignore_causal_mask_sdpa"]
-
-    def find(position_ids: torch.Tensor) -> torch.Tensor | None:
-        if calls and calls[-1][0]:
-            return None  # counted by the model itself, or unpacked in the example
-        return find_packed(position_ids)  # type: ignore[no-any-return]
-
-    def ignore(padding_mask: torch.Tensor | None, *rest: Any, **kw: Any) -> bool:
-        if padding_mask is not None and calls and calls[-1][1]:
-            padding_mask = None  # the example's mask is all ones: as no padding at all
-        return ignore_mask(padding_mask, *rest, **kw)  # type: ignore[no-any-return]
-
-    handles = [wrapper.register_forward_pre_hook(on_inputs)]
+    state = _MaskBranches(masking, examples, branches)
+    handles = [wrapper.register_forward_pre_hook(state.on_inputs)]
     for m in wrapper.modules():
         if isinstance(m, PreTrainedModel):
-            handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
-            handles.append(m.register_forward_hook(leave, with_kwargs=True, always_call=True))
+            handles.append(m.register_forward_pre_hook(state.enter, with_kwargs=True))
+            handles.append(m.register_forward_hook(state.leave, with_kwargs=True, always_call=True))
+    saved = {n: getattr(masking, n) for n in _PATCHED}
     try:
-        masking.is_torchdynamo_exporting = lambda: False  # type: ignore[attr-defined]
-        masking.find_packed_sequence_indices = find  # type: ignore[attr-defined]
-        masking._ignore_causal_mask_sdpa = ignore  # type: ignore[attr-defined]
+        for name, answer in zip(_PATCHED, (lambda: False, state.find, state.ignore), strict=True):
+            setattr(masking, name, answer)
         yield
     finally:
         for n, f in saved.items():
             setattr(masking, n, f)
         for h in handles:
             h.remove()
+
+
+_PATCHED = ("is_torchdynamo_exporting", "find_packed_sequence_indices", "_ignore_causal_mask_sdpa")
+"""The functions of ``transformers.masking_utils`` :func:`_eager_mask_branch` answers."""
+
+
+class _MaskBranches:
+    """The answers :func:`_eager_mask_branch` gives transformers' mask code, per active call
+    of a Hugging Face model: hooks keep a stack of (unpacked, no padding) per call."""
+
+    def __init__(
+        self, masking: Any, examples: tuple[torch.Tensor, ...], branches: list[Branch]
+    ) -> None:
+        self.find_packed = masking.find_packed_sequence_indices
+        self.ignore_mask = masking._ignore_causal_mask_sdpa
+        self.branches = branches
+        # The tests on every example input that could be position ids or a mask, answered
+        # before exporting: inside it, even ops on real tensors are traced.
+        self.answers = {
+            (i, test): f(t)
+            for i, t in enumerate(examples)
+            if not tc.is_fake(t) and t.dim() == 2 and not t.is_floating_point()
+            for test, f in _BRANCH_TESTS.items()
+        }
+        self.traced_index: dict[int, int] = {}
+        """id(traced input) -> its flat index."""
+        self.calls: list[tuple[bool | None, bool | None]] = []
+        """Per active Hugging Face call: positions unpacked, no padding (None: unknown)."""
+
+    def known(self, value: Any, test: str) -> bool | None:
+        """The example's answer for a traced input passed as it is; None for anything else."""
+        index = self.traced_index.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if index is None or (index, test) not in self.answers:
+            return None
+        branch = Branch(index, test, self.answers[index, test])
+        if branch not in self.branches:
+            self.branches.append(branch)
+        return branch.answer
+
+    def on_inputs(self, module: nn.Module, flat: tuple[Any, ...]) -> None:
+        self.traced_index = {id(t): i for i, t in enumerate(flat)}
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        bound = _bind(module, args, kwargs)
+        if bound is None:
+            self.calls.append((None, None))
+            return
+        extra = bound.get("kwargs")
+        extra = extra if isinstance(extra, Mapping) else {}
+        positions = bound.get("position_ids", extra.get("position_ids"))
+        mask = bound.get("attention_mask", extra.get("attention_mask"))
+        unpacked = True if positions is None else self.known(positions, "unpacked")
+        no_padding = None if mask is None else self.known(mask, "no_padding")
+        self.calls.append((unpacked, no_padding))
+
+    def leave(self, module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        self.calls.pop()
+
+    def find(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        if self.calls and self.calls[-1][0]:
+            return None  # counted by the model itself, or unpacked in the example
+        return self.find_packed(position_ids)  # type: ignore[no-any-return]
+
+    def ignore(self, padding_mask: torch.Tensor | None, *rest: Any, **kw: Any) -> bool:
+        if padding_mask is not None and self.calls and self.calls[-1][1]:
+            padding_mask = None  # the example's mask is all ones: as no padding at all
+        return self.ignore_mask(padding_mask, *rest, **kw)  # type: ignore[no-any-return]
 
 
 def _bind(
