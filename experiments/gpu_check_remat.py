@@ -3,8 +3,9 @@
     OUT=<dir> python experiments/gpu_check_remat.py            # CUDA: ~3-5 min on an H200
     python experiments/gpu_check_remat.py --quick               # tiny models (CI runs this on CPU)
 
-For each model (the comparison's, :mod:`compare`: GPT, Llama, ResNet, U-Net by default; fp32,
-dropout on), one training step as :func:`remat.meter.training_step` defines it, on CUDA when
+For each model (the comparison's, :mod:`compare`: GPT, Llama, ResNet, U-Net, and the test
+zoo's grouped-query and MoE decoders, ``zoo:qwen2_gqa_loss`` and ``zoo:mixtral_moe``, by
+default; any ``zoo:NAME`` of ``tests/zoo.py``; fp32, dropout on), one training step as :func:`remat.meter.training_step` defines it, on CUDA when
 there is one, else on the CPU:
 
 * eager, and the peers a user would pick instead: ``torch.utils.checkpoint`` around every block,
@@ -31,6 +32,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +50,33 @@ import remat  # noqa: E402
 from remat.meter import LiveMemoryMeter, measure_step, training_step  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT_MODELS = ("gpt", "llama", "resnet", "unet")
+DEFAULT_MODELS = ("gpt", "llama", "resnet", "unet", "zoo:qwen2_gqa_loss", "zoo:mixtral_moe")
 QUICK_MODELS = ("gpt", "resnet")
+
+
+@dataclass(frozen=True)
+class ZooSpec:
+    """A case of ``tests/zoo.py`` as the comparison's specs are used here."""
+
+    case: Any
+    hf: bool = False
+    """Hugging Face's switch is for the HF model at the top; zoo cases may wrap one."""
+
+    def build(self) -> tuple[nn.Module, tuple[Any, ...]]:
+        if self.case.kwargs:
+            raise ValueError(f"zoo case {self.case.name} takes keyword inputs: not supported")
+        return self.case.build().train(), self.case.inputs()
+
+
+def spec_of(name: str, quick: bool) -> Any:
+    """A model of the comparison (``gpt``, ...) or of the test zoo (``zoo:NAME``)."""
+    if name.startswith("zoo:"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests import zoo
+
+        cases = {c.name: c for c in (*zoo.ZOO, *zoo.GQA_ZOO, *zoo.NATIVE_ZOO)}
+        return ZooSpec(cases[name.removeprefix("zoo:")])
+    return (compare.QUICK if quick else compare.MODELS)[name]
 
 
 def _to(args: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
@@ -185,7 +212,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--out", type=Path, default=None, help="JSON path")
     a = ap.parse_args(argv)
     a.reps = a.reps if a.reps is not None else (0 if a.quick else 3)
-    specs = compare.QUICK if a.quick else compare.MODELS
     names = a.models.split(",") if a.models else list(QUICK_MODELS if a.quick else DEFAULT_MODELS)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -198,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
         t0 = time.perf_counter()
-        rows += check_model(name, specs[name], device, a)
+        rows += check_model(name, spec_of(name, a.quick), device, a)
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
         out.write_text(
             json.dumps({"info": info, "rows": rows}, indent=1)

@@ -47,8 +47,8 @@ class Applied:
     policies: tuple[Policy, ...]
     timings: Mapping[str, float]
     """Seconds spent planning (``plan``: tracing the eager step, then every candidate)."""
-    use_cache: bool | None = None
-    """The model's ``config.use_cache`` before ``apply`` turned it off."""
+    use_cache: tuple[str, ...] = ()
+    """Paths of the modules whose ``config.use_cache`` ``apply`` turned off."""
     fingerprint: str = ""
     """Of the blocks' op streams (:func:`remat.native.planner.fingerprint`)."""
     describe: Mapping[str, str] = field(default_factory=dict)
@@ -90,9 +90,10 @@ def apply(
     a policy that keeps some ops' outputs and recomputes the rest in the backward (dropout
     replays its random state: gradients are bitwise those of the unwrapped model). Parameters,
     buffers and ``state_dict`` keys are untouched; :func:`unapply` restores the blocks.
-    Code outside the blocks (embeddings, head, loss) runs eagerly. A Hugging Face model's KV
-    cache is turned off (``config.use_cache = False``, as ``gradient_checkpointing_enable()``
-    does; ``unapply`` restores it).
+    Code outside the blocks (embeddings, head, loss) runs eagerly. The KV cache of every
+    Hugging Face model inside ``model`` (itself, or one a training wrapper calls) is turned off
+    (``config.use_cache = False``, as ``gradient_checkpointing_enable()`` does; ``unapply``
+    restores it).
 
     Budget options are those of :func:`remat.optimize` (``budget_gb`` / ``budget_bytes`` for
     the whole device with ``optimizer``, ``precision``, ``zero_stage``, ``world_size``,
@@ -259,9 +260,10 @@ def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) ->
     )
 
 
-def _restore_kv_cache(model: nn.Module, previous: bool | None) -> None:
-    if previous is not None:
-        model.config.use_cache = previous  # type: ignore[union-attr]
+def _restore_kv_cache(model: nn.Module, previous: tuple[str, ...]) -> None:
+    modules = dict(model.named_modules())
+    for path in previous:
+        modules[path].config.use_cache = True  # type: ignore[union-attr]
 
 
 def _real_fallback(model: nn.Module) -> bool:
@@ -272,15 +274,24 @@ def _real_fallback(model: nn.Module) -> bool:
     return all(t.device.type == "cpu" and not is_fake(t) for t in tensors)
 
 
-def _disable_kv_cache(model: nn.Module) -> bool | None:
-    """Turn a Hugging Face model's KV cache off (``config.use_cache``), as
-    ``gradient_checkpointing_enable()`` does in training: a cache updated inside a block
-    would make the recomputation differ from the forward. Returns the previous setting."""
-    config = getattr(model, "config", None)
-    previous = getattr(config, "use_cache", None)
-    if previous:
-        config.use_cache = False  # type: ignore[union-attr]
-    return previous if isinstance(previous, bool) else None
+def _disable_kv_cache(model: nn.Module) -> tuple[str, ...]:
+    """Turn the KV cache off (``config.use_cache``) in every Hugging Face model inside
+    ``model`` -- the model itself or one a training wrapper calls -- as
+    ``gradient_checkpointing_enable()`` does in training: a cache updated inside a block makes
+    the recomputation differ from the forward (it concatenates the forward's keys again, and
+    SAC stops at an op the forward did not run). Returns the paths of the modules whose
+    configuration had it on (a configuration shared by several, once)."""
+    turned_off: list[str] = []
+    seen: set[int] = set()
+    for path, m in model.named_modules():
+        config = getattr(m, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            turned_off.append(path)
+    return tuple(turned_off)
 
 
 def applied(model: nn.Module) -> Applied:

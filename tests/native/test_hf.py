@@ -81,3 +81,25 @@ def test_peft_lora_plan_counts_frozen_weights_and_trains_bitwise() -> None:
     assert memory["parameters"] == 4 * (trainable + frozen)
     for step in result.steps:
         assert step.predicted_tensor_peak_bytes == step.measured_tensor_peak_bytes
+
+
+def test_a_training_wrapper_around_a_gqa_decoder_trains_bitwise() -> None:
+    """A loss wrapper calls the decoder with its KV cache on (Qwen2's default): ``apply`` turns
+    off the cache of the HF model inside, or the replay would concatenate the forward's keys
+    again (SAC: "slice invocation index 4 ... not found"). GQA without attention dropout runs
+    SDPA's flash kernel with the heads grouped in it."""
+    from tests.zoo import GQA_ZOO
+
+    case = next(c for c in GQA_ZOO if c.name == "qwen2_gqa_loss")
+    torch.manual_seed(0)
+    model = case.build()
+    inner = model.lm
+    assert inner.config.use_cache
+    for plan in ("block", "keep_matmuls"):
+        result = assert_trains_like_eager(model, case.inputs(), {}, native=True, plan=plan)
+        assert result.plan.solver.startswith("native")
+    wrapped = copy.deepcopy(model)
+    remat.apply(wrapped, case.inputs(), plan="block")
+    assert not wrapped.lm.config.use_cache
+    remat.unapply(wrapped)
+    assert wrapped.lm.config.use_cache
