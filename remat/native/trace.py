@@ -145,8 +145,12 @@ class _Recorder(LiveMemoryMeter):
         blocks: Sequence[str],
         running_stats: frozenset[int],
         allocator: bool = False,
+        host: bool = False,
     ) -> None:
         super().__init__()
+        self.host = allocator and host
+        """The step's device is the host: RNG states and wrapped numbers, which live in host
+        memory whatever the device, count there."""
         self.calls: list[Call | None] | None = [] if allocator else None
         """Each row's op call (layouts only), to measure its kernel's scratch after the
         step; None when scratch is not measured."""
@@ -235,7 +239,7 @@ class _Recorder(LiveMemoryMeter):
         if in_block_forward:
             self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
         flops, time_s = op_time(func, args, kwargs, out, self.profile, (in_tensors, outs))
-        if self.calls is not None and (self.phase == "forward" or self.recompute):
+        if self.host and (self.phase == "forward" or self.recompute):
             wrapped = _wrapped_number_bytes(func, args, kwargs)
             self.unseen_bytes += wrapped
             if self.recompute:
@@ -447,7 +451,10 @@ class FakeModel:
         """Run one training step (as :func:`remat.meter.training_step`) with ``policies[k]``
         on block ``k`` and record it."""
         where = where_measured_on(self.source_device, profile.name)
-        recorder = _Recorder(profile, self.blocks, self._running_stats, allocator=bool(where))
+        host = self.source_device is not None and self.source_device.type == "cpu"
+        recorder = _Recorder(
+            profile, self.blocks, self._running_stats, allocator=bool(where), host=host
+        )
         for p in self.module.parameters():
             p.grad = None
         fake_args, fake_kwargs = pytree.tree_map(self._fake, (args, dict(kwargs)))
@@ -476,8 +483,9 @@ class FakeModel:
                 recorder.outputs = tuple(recorder.storage_names(outputs))
 
             stack.enter_context(torch.random.fork_rng(devices=[]))
-            # After fork_rng, whose own saved state the real step does not have.
-            stack.enter_context(tc.rng_states_saved(recorder.made_outside))
+            if recorder.host:  # CPU RNG states are host memory: device memory only on the CPU
+                # After fork_rng, whose own saved state the real step does not have.
+                stack.enter_context(tc.rng_states_saved(recorder.made_outside))
             try:
                 training_step(
                     self.module,
