@@ -276,12 +276,13 @@ class _Recorder(LiveMemoryMeter):
         if self.calls is None:
             return
         storage = tensor.untyped_storage()
-        self.unseen_bytes += storage.nbytes()
-        self.unseen_peak = max(self.unseen_peak, self.live_bytes + self.unseen_bytes)
-        weakref.finalize(storage, self._unseen_freed, storage.nbytes())
+        self._unseen(storage.nbytes())
+        weakref.finalize(storage, self._unseen, -storage.nbytes())
 
-    def _unseen_freed(self, nbytes: int) -> None:
-        self.unseen_bytes -= nbytes
+    def _unseen(self, delta: int) -> None:
+        """``delta`` bytes no dispatch sees were allocated (or, negative, freed) between ops."""
+        self.unseen_bytes += delta
+        self.unseen_peak = max(self.unseen_peak, self.live_bytes + self.unseen_bytes)
 
     def backward_reaches(self, block: int) -> None:
         """The gradient of ``block``'s output is complete: every later block's backward nodes
@@ -292,10 +293,8 @@ class _Recorder(LiveMemoryMeter):
 
     def resized(self, delta: int) -> None:
         """FSDP2 resized an unsharded parameter's storage in place by ``delta`` bytes."""
-        if self.calls is None:
-            return
-        self.unseen_bytes += delta
-        self.unseen_peak = max(self.unseen_peak, self.live_bytes + self.unseen_bytes)
+        if self.calls is not None:
+            self._unseen(delta)
 
     def allocator_peak(self) -> int:
         """Add each op's measured scratch to its row; the step's peak at the allocator."""
