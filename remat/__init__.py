@@ -12,6 +12,7 @@ from remat._torch_compat import fake_mode
 from remat.api import optimize
 from remat.budget import DeviceBudgetError, StaticMemoryError
 from remat.graph.capture import CaptureError
+from remat.formula import MemoryFormula, memory_formula
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
 from remat.native.api import apply, plan_of, save_plan, unapply
@@ -34,6 +35,7 @@ __all__ = [
     "DeviceBudgetError",
     "DeviceProfile",
     "LiveMemoryMeter",
+    "MemoryFormula",
     "Plan",
     "PlanFileError",
     "Problem",
@@ -45,6 +47,7 @@ __all__ = [
     "explain",
     "fake_mode",
     "measure_step",
+    "memory_formula",
     "optimize",
     "plan_of",
     "save_plan",

@@ -1,0 +1,339 @@
+"""A model's step at every batch and sequence length, from a few concrete captures.
+
+Capturing with symbolic shapes would thread SymInts through every stage; instead the step is
+captured concretely at the shapes :mod:`remat.solver.formula` needs (two batches times three
+lengths), every storage's bytes, every op's FLOPs, bytes moved and output dimensions are fitted
+exactly as polynomials in ``b`` and ``s``, and the fit is checked at a shape it was not built
+from. The graph must be the same at every shape of a range (same ops, same storages): it is
+for ``b >= 2``, while ``b = 1`` takes other decompositions (a batch of one folds into matmuls
+differently), so it is a range of its own. A model whose graph changes with the length (a
+size-dependent branch) raises :class:`remat.solver.formula.FitError` naming the first op that
+differs.
+
+Inputs at another shape are the example inputs tiled and cropped along their batch and
+sequence dimensions, so token ids, masks and labels stay valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from remat.graph.costs import node_bytes_moved, node_dtype
+from remat.graph.profiles import get_profile
+from remat.problem import Problem
+from remat.solver.formula import FitError, Fitter, Poly
+
+__all__ = ["DynamicProblem", "ShapeRange", "Dims", "capture_dynamic", "inputs_at"]
+
+Inputs = tuple[tuple[Any, ...], Mapping[str, Any]]
+Analyzer = Callable[[tuple[Any, ...], Mapping[str, Any]], Any]
+"""``(args, kwargs) -> Analysis`` (:func:`remat.pipeline.analyze` with the model bound)."""
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Which dimension of the inputs is the batch and which the sequence (``None``: the
+    model has no sequence, e.g. images), and the example's sizes of both."""
+
+    batch: int
+    seq: int | None
+    batch_dim: int = 0
+    seq_dim: int = 1
+
+    @staticmethod
+    def of(args: tuple[Any, ...], kwargs: Mapping[str, Any], seq: bool | None = None) -> Dims:
+        """Read from the first tensor input: dim 0 is the batch; dim 1 the sequence when it
+        has an integer dtype (token ids) or ``seq=True``."""
+        first = next(
+            (t for t in pytree.tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)),
+            None,
+        )
+        if first is None or first.dim() == 0:
+            raise ValueError("the example inputs hold no tensor with a batch dimension")
+        has_seq = (not first.is_floating_point()) if seq is None else seq
+        if has_seq and first.dim() < 2:
+            raise ValueError("the first input has no sequence dimension (dim 1)")
+        return Dims(int(first.shape[0]), int(first.shape[1]) if has_seq else None)
+
+
+def _resize(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    if dim >= t.dim() or t.shape[dim] == n:
+        return t
+    reps = [1] * t.dim()
+    reps[dim] = -(-n // t.shape[dim])
+    return t.repeat(*reps).narrow(dim, 0, n).contiguous()
+
+
+def inputs_at(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], dims: Dims, b: int, s: int | None
+) -> Inputs:
+    """The example inputs tiled and cropped to batch ``b`` and length ``s``: every tensor
+    whose batch (sequence) dimension has the example's size is resized."""
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[dims.batch_dim] == dims.batch:
+            t = _resize(t, dims.batch_dim, b)
+        seq = dims.seq is not None and s is not None and t.dim() > dims.seq_dim
+        if seq and s is not None and t.shape[dims.seq_dim] == dims.seq:
+            t = _resize(t, dims.seq_dim, s)
+        return t
+
+    new_args, new_kwargs = pytree.tree_map(one, (args, dict(kwargs)))
+    return tuple(new_args), new_kwargs
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """One graph valid over ``b_min <= b <= b_max`` (and ``s_min <= s <= s_max``), with every
+    size as a polynomial."""
+
+    b_min: int
+    b_max: int | None
+    s_min: int | None
+    s_max: int | None
+    template: Problem
+    """The problem captured at one of the fit's shapes: structure, names, roles."""
+    storage: Mapping[str, Poly]
+    scratch: Mapping[str, Poly]
+    flops: Mapping[str, Poly]
+    moved: Mapping[str, Poly]
+    """Bytes read and written by each timed op (the roofline's memory term)."""
+    shapes: Mapping[str, tuple[Poly, ...]]
+    dtypes: Mapping[str, str]
+    fitted_at: tuple[tuple[int, int], ...]
+    checked_at: tuple[tuple[int, int], ...]
+
+    def contains(self, b: int, s: int | None) -> bool:
+        if b < self.b_min or (self.b_max is not None and b > self.b_max):
+            return False
+        if s is None or self.s_min is None:
+            return True
+        return s >= self.s_min and (self.s_max is None or s <= self.s_max)
+
+    def problem_at(self, b: int, s: int | None) -> Problem:
+        """The concrete problem at ``(b, s)``: sizes evaluated, times from the roofline."""
+        s_ = 0 if s is None else s
+        profile = get_profile(self.template.device_profile)
+        values = []
+        for v in self.template.values:
+            flops = self.flops[v.name].at(b, s_)
+            time_s = (
+                profile.op_time(flops, self.moved[v.name].at(b, s_), self.dtypes[v.name])
+                if v.name in self.moved
+                else 0.0
+            )
+            values.append(
+                dataclasses.replace(
+                    v,
+                    flops=flops,
+                    time_s=time_s,
+                    shape=tuple(d.at(b, s_) for d in self.shapes[v.name]),
+                    scratch_bytes=self.scratch[v.name].at(b, s_) if v.name in self.scratch else 0,
+                )
+            )
+        return dataclasses.replace(
+            self.template,
+            values=tuple(values),
+            storage_bytes={k: p.at(b, s_) for k, p in self.storage.items()},
+        )
+
+
+@dataclass(frozen=True)
+class DynamicProblem:
+    """A step over every batch (and length) its ranges cover."""
+
+    ranges: tuple[ShapeRange, ...]
+    dims: Dims
+
+    def range_of(self, b: int, s: int | None) -> ShapeRange:
+        for r in self.ranges:
+            if r.contains(b, s):
+                return r
+        covered = ", ".join(_range_text(r) for r in self.ranges)
+        raise ValueError(f"(b={b}, s={s}) is outside the captured ranges ({covered})")
+
+    def problem_at(self, b: int, s: int | None) -> Problem:
+        return self.range_of(b, s).problem_at(b, s)
+
+
+def _range_text(r: ShapeRange) -> str:
+    b = f"b = {r.b_min}" if r.b_max == r.b_min else f"b >= {r.b_min}"
+    if r.s_min is None:
+        return b
+    top = "" if r.s_max is None else f" <= {r.s_max}"
+    return f"{b}, {r.s_min} <= s{top}"
+
+
+def _signature(problem: Problem) -> list[tuple[Any, ...]]:
+    return [
+        (v.name, v.role, v.op, v.inputs, v.storages, v.allocates, v.random, v.savable, len(v.shape))
+        for v in problem.values
+    ]
+
+
+def _timed(analysis: Any) -> dict[str, tuple[int, str]]:
+    """``name -> (bytes moved, dtype)`` of every op that launches a kernel (not a view, a
+    tuple projection or a placeholder), as :func:`remat.graph.costs.node_time` times them."""
+    by_name = analysis.problem.by_name
+    out: dict[str, tuple[int, str]] = {}
+    for node in analysis.joint.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        v = by_name.get(node.name)
+        has_tensor = any(
+            isinstance(t, torch.Tensor) for t in pytree.tree_leaves(node.meta.get("val"))
+        )
+        if v is None or (has_tensor and not v.allocates):  # a view: no kernel
+            continue
+        out[node.name] = (node_bytes_moved(node, False), node_dtype(node))
+    return out
+
+
+def _fit_range(
+    analyze_at: Callable[[int, int | None], Any],
+    fit_shapes: Sequence[tuple[int, int]],
+    check_shapes: Sequence[tuple[int, int]],
+    has_seq: bool,
+    b_range: tuple[int, int | None],
+    s_range: tuple[int | None, int | None],
+    progress: Callable[[str], None] | None,
+) -> ShapeRange:
+    shapes = [*fit_shapes, *check_shapes]
+    analyses = []
+    for b, s in shapes:
+        if progress:
+            progress(f"capturing at b={b}" + (f", s={s}" if has_seq else ""))
+        analyses.append(analyze_at(b, s if has_seq else None))
+    problems = [a.problem for a in analyses]
+    ref = _signature(problems[0])
+    for (b, s), p in zip(shapes, problems, strict=True):
+        sig = _signature(p)
+        if sig != ref:
+            k = next(
+                (i for i, (x, y) in enumerate(zip(ref, sig, strict=False)) if x != y),
+                min(len(ref), len(sig)),
+            )
+            what = problems[0].values[k] if k < len(problems[0].values) else None
+            where = f"{what.op} in {what.module_path or '(top level)'}" if what else "its end"
+            raise FitError(
+                f"the step's graph changes with the shape: at b={b}, s={s} it differs from "
+                f"b={shapes[0][0]}, s={shapes[0][1]} at value {k} ({where}); the model "
+                "branches on a size. Plan each shape (or bucket) separately."
+            )
+    timed = [_timed(a) for a in analyses]
+    fitter = Fitter.over([(b, s if has_seq else 0) for b, s in fit_shapes])
+    n_fit = len(fit_shapes)
+
+    def fitted(what: str, samples: Sequence[int]) -> Poly:
+        poly = fitter(samples[:n_fit])
+        for (b, s), got in zip(check_shapes, samples[n_fit:], strict=True):
+            if poly(b, s if has_seq else 0) != got:
+                raise FitError(
+                    f"{what} is not a polynomial of degree <= 2 in s (1 in b): fitted "
+                    f"{poly}, which gives {poly(b, s if has_seq else 0)} at b={b}, s={s}, "
+                    f"where the capture has {got}"
+                )
+        return poly
+
+    template = problems[0]
+    storage = {
+        k: fitted(f"storage {k}", [p.storage_bytes[k] for p in problems])
+        for k in template.storage_bytes
+    }
+    scratch: dict[str, Poly] = {}
+    flops: dict[str, Poly] = {}
+    moved: dict[str, Poly] = {}
+    dims: dict[str, tuple[Poly, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for i, v in enumerate(template.values):
+        where = f"{v.name} ({v.op} in {v.module_path or '(top level)'})"
+        if any(p.values[i].scratch_bytes for p in problems):
+            scratch[v.name] = fitted(
+                f"the kernel scratch of {where}", [p.values[i].scratch_bytes for p in problems]
+            )
+        flops[v.name] = fitted(f"the FLOPs of {where}", [p.values[i].flops for p in problems])
+        dims[v.name] = tuple(
+            fitted(f"dimension {d} of {where}", [p.values[i].shape[d] for p in problems])
+            for d in range(len(v.shape))
+        )
+        if v.name in timed[0]:
+            moved[v.name] = fitted(f"the bytes {where} moves", [t[v.name][0] for t in timed])
+            dtypes[v.name] = timed[0][v.name][1]
+    return ShapeRange(
+        b_min=b_range[0],
+        b_max=b_range[1],
+        s_min=s_range[0],
+        s_max=s_range[1],
+        template=template,
+        storage=storage,
+        scratch=scratch,
+        flops=flops,
+        moved=moved,
+        shapes=dims,
+        dtypes=dtypes,
+        fitted_at=tuple(fit_shapes),
+        checked_at=tuple(check_shapes),
+    )
+
+
+def fit_lengths(seq: int) -> tuple[list[int], int]:
+    """Three lengths to fit at and one to check at, at and below the example's ``seq``
+    (lengths past it may exceed the model's positions)."""
+    if seq < 8:
+        raise ValueError(
+            f"give an example sequence of at least 8 tokens to fit lengths (got {seq})"
+        )
+    k = max(2, seq // 8)
+    return [seq - 2 * k, seq - k, seq], seq - k - k // 2
+
+
+def capture_dynamic(
+    analyze: Analyzer,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    dims: Dims,
+    *,
+    max_seq: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> DynamicProblem:
+    """Fit the step over ``b >= 1`` (two ranges: ``b = 1`` and ``b >= 2``) and, when the model
+    has a sequence, every length from 3 up to ``max_seq``."""
+    has_seq = dims.seq is not None
+    lengths, check = fit_lengths(dims.seq) if dims.seq is not None else ([0, 0, 0], 0)
+    s_range: tuple[int | None, int | None] = (3, max_seq) if has_seq else (None, None)
+
+    def analyze_at(b: int, s: int | None) -> Any:
+        a, kw = inputs_at(args, kwargs, dims, b, s)
+        return analyze(a, kw)
+
+    s_fit = lengths if has_seq else [0]
+    ranges = [
+        _fit_range(
+            analyze_at,
+            [(b, s) for b in (2, 3) for s in s_fit],
+            [(4, check)] if has_seq else [(4, 0), (5, 0)],
+            has_seq,
+            (2, None),
+            s_range,
+            progress,
+        ),
+        _fit_range(
+            analyze_at,
+            [(1, s) for s in s_fit],
+            [(1, check)] if has_seq else [],
+            has_seq,
+            (1, 1),
+            s_range,
+            progress,
+        ),
+    ]
+    return DynamicProblem(tuple(reversed(ranges)), dims)

@@ -1,0 +1,124 @@
+"""The peak as a formula in (b, s) on the zoo: equal, at shapes it was not fitted on, to the
+simulator on a concrete capture there (which the zoo tests check against measured runs), and
+to a measured run directly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import remat
+from remat.formula import analyze_dynamic, formula_of, memory_formula
+from remat.graph.dynamic import Dims, inputs_at
+from remat.meter import measure_step
+from remat.pipeline import analyze
+from remat.solver.formula import FitError
+from remat.solver.registry import solve
+from tests.zoo import ZOO, Case, llama
+
+PLANS = ("keep_all", "keep_matmuls", "megatron")
+CASES = {c.name: c for c in ZOO}
+# Sequence models at lengths up to their 64 positions; the CNN over batches alone.
+SEQ_CASES = ("tiny_gpt", "hf_gpt2", "hf_llama", "hf_bert")
+_FITTED: dict[str, Any] = {}
+
+
+def _fitted(name: str) -> tuple[Any, dict[str, Any]]:
+    if name not in _FITTED:
+        case = CASES[name]
+        torch.manual_seed(0)
+        model = case.build()
+        args = case.inputs()
+        dynamic = analyze_dynamic(model, args, case.kwargs)
+        static = remat.api.model_static_memory(model, remat.budget.Options())
+        _FITTED[name] = (model, {p: formula_of(dynamic, p, static) for p in PLANS})
+    return _FITTED[name]
+
+
+def _concrete(case: Case, model: Any, b: int, s: int | None) -> Any:
+    args = case.inputs()
+    a, kw = inputs_at(args, case.kwargs, Dims.of(args, case.kwargs), b, s)
+    return analyze(model, a, kw).problem
+
+
+@pytest.mark.parametrize("name", SEQ_CASES)
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 9), s=st.integers(3, 64))
+def test_the_formula_is_the_simulated_peak_at_unseen_shapes(name: str, b: int, s: int) -> None:
+    model, formulas = _fitted(name)
+    problem = _concrete(CASES[name], model, b, s)
+    for plan_name, f in formulas.items():
+        plan = solve(problem, solver=plan_name, budget_bytes=None)
+        assert f.step_peak_bytes(b, s) == plan.predicted_peak_bytes, plan_name
+        assert f.tensor_peak_bytes(b, s) == plan.predicted_tensor_peak_bytes, plan_name
+        assert f.saved_bytes(b, s) == plan.saved_bytes, plan_name
+        assert f.peak_bytes(b, s) == f.static.total + plan.predicted_peak_bytes
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 16))
+def test_a_cnn_formula_in_the_batch(b: int) -> None:
+    """Live tensors exactly. At the allocator only up to batch 5: CPU convolution_backward
+    picks its workspace by size, max(70128 + 4096 b, 16384 b - 4672) bytes on this CNN, a
+    maximum of two lines that no polynomial fitted at b = 2, 3 (checked at 4, 5) follows."""
+    model, formulas = _fitted("cnn_bn")
+    problem = _concrete(CASES["cnn_bn"], model, b, None)
+    for plan_name in ("keep_all", "keep_matmuls"):
+        plan = solve(problem, solver=plan_name, budget_bytes=None)
+        f = formulas[plan_name]
+        assert f.tensor_peak_bytes(b) == plan.predicted_tensor_peak_bytes
+        if b <= 5:
+            assert f.step_peak_bytes(b) == plan.predicted_peak_bytes
+
+
+def test_the_formula_is_the_measured_peak_of_a_run() -> None:
+    """A shape the fit never saw, run for real by a remat module under the same plan."""
+    model, formulas = _fitted("hf_llama")
+    b, s = 5, 37
+    case = CASES["hf_llama"]
+    args = case.inputs()
+    a, kw = inputs_at(args, {}, Dims.of(args, {}), b, s)
+    fast = remat.optimize(model, a, plan="keep_matmuls")
+    measured = measure_step(fast, a, kw, allocator=True)
+    assert formulas["keep_matmuls"].step_peak_bytes(b, s) == measured.allocator_peak_bytes
+    assert formulas["keep_matmuls"].tensor_peak_bytes(b, s) == measured.peak_bytes
+
+
+def test_the_formula_reads_as_polynomials_with_its_pieces() -> None:
+    _, formulas = _fitted("tiny_gpt")
+    f = formulas["keep_all"]
+    text = str(f)
+    assert "b >= 2, 3 <= s" in text and "b = 1" in text and "*s" in text
+    pieces = f.pieces(4, 50)
+    assert sum(pieces.values()) == f.peak_bytes(4, 50)
+    assert pieces["saved"] > 0 and pieces["transient"] > 0
+    import sympy
+
+    b, s = sympy.symbols("b s", integer=True, positive=True)
+    assert int(f.expr.subs({b: 4, s: 50})) == f.peak_bytes(4, 50)
+    assert int(f.expr.subs({b: 1, s: 20})) == f.peak_bytes(1, 20)
+    with pytest.raises(ValueError, match="pass s"):
+        f.peak_bytes(2)
+
+
+def test_a_model_that_branches_on_the_length_is_refused() -> None:
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            return h.relu() if x.shape[1] % 2 else h.tanh()
+
+    with pytest.raises(FitError, match="graph changes with the shape"):
+        memory_formula(Branchy(), torch.randint(0, 16, (2, 16)))
+
+
+def test_a_short_example_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 8 tokens"):
+        memory_formula(llama(), torch.randint(0, 128, (2, 5)))
