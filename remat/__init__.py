@@ -11,8 +11,8 @@ print(remat.plan_of(model).summary())              # then fully_shard / DDP, the
 from remat._torch_compat import fake_mode
 from remat.api import optimize
 from remat.budget import DeviceBudgetError, StaticMemoryError
-from remat.graph.capture import CaptureError
 from remat.formula import MemoryFormula, memory_formula
+from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
 from remat.native.api import apply, plan_of, save_plan, unapply

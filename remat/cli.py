@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import resource
 import sys
@@ -35,10 +36,11 @@ from remat.budget import (
     StaticMemoryError,
     device_budget,
 )
+from remat.fit import FitReport, fit
 from remat.graph.profiles import PROFILE_NAMES
 from remat.models import TinyGPT
 from remat.pipeline import analyze
-from remat.plots import pareto_plot, timeline_plot
+from remat.plots import fit_plot, pareto_plot, timeline_plot
 from remat.presets import PRESETS, build, parse_settings
 from remat.problem import Problem
 from remat.report import explain_plan
@@ -356,6 +358,114 @@ def compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shallow(
+    spec: str, args: argparse.Namespace, model: torch.nn.Module
+) -> tuple[torch.nn.Module, int, int] | None:
+    """A 3-layer copy of a deep Hugging Face stack to fit on (``remat.fit(shallow=)``)."""
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if (
+        not isinstance(layers, int)
+        or layers <= 3
+        or not (spec in PRESETS or spec.startswith("hf:"))
+    ):
+        return None
+    settings = {**parse_settings(args.set), "num_hidden_layers": 3}
+    copy = build(spec, seq=args.seq, batch=args.batch, settings=settings).model
+    if getattr(copy.config, "num_hidden_layers", None) != 3:
+        return None
+    return copy, 3, layers
+
+
+def fit_command(args: argparse.Namespace) -> int:
+    """``remat fit MODEL --budget-gb N``: the longest sequence and largest batch per plan."""
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    err = Console(stderr=True)
+    t0 = time.perf_counter()
+    try:
+        built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
+        shallow = _shallow(args.model, args, built.model)
+    except ValueError as e:
+        err.print(f"[red]remat fit: {e}")
+        return 2
+    status = err.status("capturing...")
+    with status:
+        try:
+            report = fit(
+                built.model,
+                built.args,
+                built.kwargs,
+                budget_gb=args.budget_gb,
+                optimizer=args.optimizer,
+                precision=args.precision,
+                zero_stage=args.zero_stage,
+                world_size=args.world_size,
+                reserve_fraction=args.reserve,
+                device_profile=args.device,
+                max_seq=args.max_seq,
+                shallow=shallow,
+                progress=lambda msg: status.update(msg),
+            )
+        except (StaticMemoryError, ValueError) as e:
+            err.print(f"[red]remat fit: {escape(str(e))}")
+            return 1
+    wall = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    d = report.budget
+    console.print(
+        f"[bold]{built.description}[/]; {args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}"
+        f" x {args.world_size}, profile {args.device}. Budget {_gb_text(d.budget_bytes)}: static "
+        f"{_gb_text(d.static.total)}, reserve {_gb_text(d.reserve_bytes)}, step "
+        f"{_gb_text(d.step_budget_bytes)}"
+    )
+    table = Table(title=f"what fits in {args.budget_gb:g} GB per device", box=box.SIMPLE_HEAD)
+    for col in ("plan", f"max seq (batch {report.batch})", "device GB", "recompute %",
+                f"max batch (seq {report.seq})", "device GB ", "recompute % "):  # fmt: skip
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for name, row in report.plans.items():
+        cells = [name]
+        for n, ch, limit in ((row.max_seq, row.at_max_seq, report.seq_limit),
+                             (row.max_batch, row.at_max_batch, report.batch_limit)):  # fmt: skip
+            if n is None or ch is None:
+                cells += ["[red]none fits", "", ""]
+                continue
+            cells += [
+                f"{n}" + (" (limit)" if n == limit else ""),
+                f"{(d.static.total + ch.step_peak_bytes) / GB:.2f}",
+                f"{ch.recompute_pct:.1f}",
+            ]
+        table.add_row(*cells)
+    console.print(table)
+    console.print(
+        "device GB: static + the step's peak (the reserve comes on top); recompute %: of the "
+        "step's estimated time. Formula (no checkpointing, bytes):"
+    )
+    console.print(str(report.formula), markup=False, highlight=False)
+    if args.plot:
+        curves = _fit_curves(report)
+        path = fit_plot(curves, d.budget_bytes - d.reserve_bytes, args.plot,
+                        f"{built.description}: batch {report.batch}")  # fmt: skip
+        console.print(f"wrote {path} (device memory against sequence length, per plan)")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    console.print(f"wall time {wall:.1f} s, max RSS {rss:.2f} GiB")
+    return 0
+
+
+def _fit_curves(report: FitReport) -> dict[str, list[tuple[int, int]]]:
+    limit = report.seq_limit or 8 * (report.seq or 1)
+    lengths = sorted({max(3, limit * k // 32) for k in range(1, 33)})
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name in report.plans:
+        pts = []
+        for s in lengths:
+            ch = report.choose(name, report.batch, s)
+            if ch is not None:
+                pts.append((s, report.budget.static.total + ch.step_peak_bytes))
+        out[name] = pts
+    return out
+
+
 def _gb_text(n: float) -> str:
     return f"{n / GB:.2f} GB"
 
@@ -422,6 +532,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--plot", default=None, metavar="OUT.png",
                    help="Pareto plot: recompute %% vs step peak, one curve per solver")  # fmt: skip
     c.set_defaults(func=compare_command)
+    f = sub.add_parser(
+        "fit",
+        help="the longest sequence and the largest batch each plan fits in a budget",
+        description="For no checkpointing, Megatron selective, every block, the least-peak "
+        "plan and remat at recompute caps: the longest sequence at --batch and the largest "
+        "batch at --seq that fit --budget-gb, from an exact formula of the peak in (b, s).",
+    )
+    f.add_argument("model", help="preset name, hf:MODEL_TYPE or pkg.module:factory")
+    f.add_argument("--budget-gb", type=float, required=True, help="device memory (1 GB = 1e9 B)")
+    _model_options(f)
+    f.add_argument("--max-seq", type=int, default=None,
+                   help="longest length searched (default: the model's positions)")  # fmt: skip
+    f.add_argument("--json", action="store_true", help="print the answers as JSON only")
+    f.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="device memory against sequence length per plan, with the budget")  # fmt: skip
+    f.set_defaults(func=fit_command)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -194,10 +194,11 @@ def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) 
                 raise
             notes.append(f"{_text(r)} not covered: {e}")
             continue
-        moments, saved = step_polynomials(r.template, schedule, r.storage, r.scratch)
+        moments = step_polynomials(r.template, schedule, r.storage, r.scratch)
+        saved = moments.saved
         candidates = peak_candidates(moments, r.b_min, r.s_min or 0)
         if r.scratch:
-            live, _ = step_polynomials(r.template, schedule, r.storage)
+            live = step_polynomials(r.template, schedule, r.storage)
             tensor_candidates = peak_candidates(live, r.b_min, r.s_min or 0)
         else:
             tensor_candidates = candidates

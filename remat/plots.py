@@ -83,3 +83,28 @@ def _finish(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def fit_plot(
+    curves: Mapping[str, Sequence[tuple[int, int]]],
+    budget_bytes: int,
+    path: str | Path,
+    title: str = "",
+) -> Path:
+    """Device bytes against sequence length, one curve per plan, and the budget line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in curves.items():
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, [y / 1e9 for y in ys], label=name)
+    ax.axhline(budget_bytes / 1e9, color="black", linestyle="--", label="budget")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("device memory (GB) at the step's peak")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

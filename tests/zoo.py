@@ -207,3 +207,9 @@ NATIVE_ZOO: tuple[Case, ...] = (
 )
 """Models ``remat.apply`` is tested on: shapes where activations, not parameter gradients,
 set the peak (sequence 128, batch 4), with GQA and MoE decoders and BatchNorm."""
+
+
+def tiny_llama_factory() -> tuple[nn.Module, tuple[Any, ...]]:
+    """``remat fit tests.zoo:tiny_llama_factory``: a 3-layer GQA Llama and a batch of tokens."""
+    torch.manual_seed(0)
+    return llama(3, 128), (torch.randint(0, 128, (2, 32)),)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from remat.graph.costs import node_bytes_moved, node_dtype
 from remat.graph.profiles import get_profile
-from remat.problem import Problem
+from remat.problem import Problem, Role
 from remat.solver.formula import FitError, Fitter, Poly
 
 __all__ = ["DynamicProblem", "ShapeRange", "Dims", "capture_dynamic", "inputs_at"]
@@ -118,6 +120,15 @@ class ShapeRange:
         if s is None or self.s_min is None:
             return True
         return s >= self.s_min and (self.s_max is None or s <= self.s_max)
+
+    def times_at(self, b: int, s: int | None) -> dict[str, float]:
+        """Each timed op's roofline seconds at ``(b, s)`` (the others take none)."""
+        s_ = 0 if s is None else s
+        profile = get_profile(self.template.device_profile)
+        return {
+            n: profile.op_time(self.flops[n].at(b, s_), m.at(b, s_), self.dtypes[n])
+            for n, m in self.moved.items()
+        }
 
     def problem_at(self, b: int, s: int | None) -> Problem:
         """The concrete problem at ``(b, s)``: sizes evaluated, times from the roofline."""
@@ -337,3 +348,152 @@ def capture_dynamic(
         ),
     ]
     return DynamicProblem(tuple(reversed(ranges)), dims)
+
+
+_LAYER = re.compile(r"^(?P<head>.*?)\.(?P<index>\d+)(?P<tail>\..*)?$")
+
+
+def _layer_keys(problem: Problem, layers: int) -> list[tuple[Any, ...]]:
+    """A name for each value that is the same in a deeper copy of the model: its role, its
+    module path with the layer index replaced by first / middle / last, the op and its
+    ordinal there. A value outside any module (an accumulation in the backward) takes the
+    layer of the value before it."""
+    keys = []
+    seen: Counter[tuple[Any, ...]] = Counter()
+    context: dict[Any, int | None] = {}
+    for v in problem.values:
+        m = _LAYER.match(v.module_path)
+        index: int | None
+        if m:
+            index = int(m["index"])
+            context[v.role] = index
+            path = f"{m['head']}.{{{_position(index, layers)}}}{m['tail'] or ''}"
+        else:
+            index = context.get(v.role)
+            path = v.module_path
+        where = (v.role, path, _op(v), None if index is None else _position(index, layers))
+        scope = (*where, index)
+        keys.append((*where, seen[scope]))
+        seen[scope] += 1
+    return keys
+
+
+def _op(v: Any) -> str:
+    """The op, or ``placeholder`` for an input (whose op is its own numbered name)."""
+    return "placeholder" if v.op == v.name else str(v.op)
+
+
+_WEIGHTS = frozenset({Role.PARAM, Role.BUFFER, Role.CONSTANT})
+
+
+def _position(index: int, layers: int) -> str:
+    return "first" if index == 0 else "last" if index == layers - 1 else "middle"
+
+
+def map_range(
+    small: ShapeRange, full: Any, shape: tuple[int, int], small_layers: int, full_layers: int
+) -> ShapeRange:
+    """``small``'s polynomials for a deeper copy of the model (``full``: its analysis at
+    ``shape``, in the range), value by value through :func:`_layer_keys`; every size of
+    ``full`` is checked against its polynomial at that shape."""
+    problem: Problem = full.problem
+    by_key = dict(
+        zip(_layer_keys(small.template, small_layers), small.template.values, strict=True)
+    )
+    b, s_ = shape
+    timed = _timed(full)
+    storage: dict[str, Poly] = {}
+    scratch: dict[str, Poly] = {}
+    flops: dict[str, Poly] = {}
+    moved: dict[str, Poly] = {}
+    shapes: dict[str, tuple[Poly, ...]] = {}
+    dtypes: dict[str, str] = {}
+
+    def check(what: str, poly: Poly, got: int) -> Poly:
+        if poly(b, s_) != got:
+            raise FitError(
+                f"{what}: the shallow copy's {poly} gives {poly(b, s_)}, the model {got}"
+            )
+        return poly
+
+    for v, key in zip(problem.values, _layer_keys(problem, full_layers), strict=True):
+        if v.role in _WEIGHTS and not v.allocates:
+            # A parameter, buffer or constant: its size is not the batch's or length's, and
+            # its storage existed before the step.
+            flops[v.name] = Poly.constant(v.flops)
+            shapes[v.name] = tuple(Poly.constant(d) for d in v.shape)
+            continue
+        w = by_key.get(key)
+        if w is None or _op(w) != _op(v) or len(w.allocates) != len(v.allocates):
+            raise FitError(f"{v.name} ({v.op} in {v.module_path}) has no match in the shallow copy")
+        for a, c in zip(v.allocates, w.allocates, strict=True):
+            storage[a] = check(f"storage {a}", small.storage[c], problem.storage_bytes[a])
+        if w.name in small.scratch or v.scratch_bytes:
+            scratch[v.name] = check(
+                f"scratch of {v.name}", small.scratch.get(w.name, Poly()), v.scratch_bytes
+            )
+        flops[v.name] = check(f"FLOPs of {v.name}", small.flops[w.name], v.flops)
+        if len(v.shape) != len(small.shapes[w.name]):
+            raise FitError(f"{v.name}: rank {len(v.shape)} against the shallow copy's")
+        shapes[v.name] = tuple(
+            check(f"dimension {d} of {v.name}", p, v.shape[d])
+            for d, p in enumerate(small.shapes[w.name])
+        )
+        if (v.name in timed) != (w.name in small.moved):
+            raise FitError(f"{v.name} launches a kernel in one copy only")
+        if v.name in timed:
+            moved[v.name] = check(f"bytes {v.name} moves", small.moved[w.name], timed[v.name][0])
+            dtypes[v.name] = timed[v.name][1]
+    missing = set(problem.storage_bytes) - set(storage)
+    if missing:
+        raise FitError(f"storages without a polynomial: {sorted(missing)[:3]}")
+    return dataclasses.replace(
+        small,
+        template=problem,
+        storage=storage,
+        scratch=scratch,
+        flops=flops,
+        moved=moved,
+        shapes=shapes,
+        dtypes=dtypes,
+        checked_at=(*small.checked_at, (b, s_)),
+    )
+
+
+def capture_dynamic_deep(
+    analyze: Analyzer,
+    analyze_shallow: Analyzer,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    dims: Dims,
+    *,
+    layers: int,
+    shallow_layers: int,
+    max_seq: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> DynamicProblem:
+    """:func:`capture_dynamic` for a deep stack of identical layers: the fit runs on a
+    shallow copy (``shallow_layers`` >= 3: a first, a middle and a last layer), and the deep
+    model is captured once per range, at the example's length, to take its structure and
+    check every one of its sizes against the shallow copy's polynomials. A 70B model costs
+    two deep captures instead of eleven. Falls back to :func:`capture_dynamic` on the deep
+    model when a size does not match."""
+    if shallow_layers < 3 or layers <= shallow_layers:
+        raise ValueError("the shallow copy needs 3 or more layers, and fewer than the model")
+    shallow = capture_dynamic(
+        analyze_shallow, args, kwargs, dims, max_seq=max_seq, progress=progress
+    )
+    s = dims.seq
+    ranges = []
+    try:
+        for r in shallow.ranges:
+            shape = (r.b_min if r.b_max == r.b_min else max(2, dims.batch), s or 0)
+            if progress:
+                progress(f"capturing the {layers}-layer model at b={shape[0]}, s={s}")
+            a, kw = inputs_at(args, kwargs, dims, shape[0], s)
+            ranges.append(map_range(r, analyze(a, kw), shape, shallow_layers, layers))
+    except FitError as e:
+        if progress:
+            progress(f"the shallow copy does not match ({e}); fitting the model itself")
+        return capture_dynamic(analyze, args, kwargs, dims, max_seq=max_seq, progress=progress)
+    return DynamicProblem(tuple(ranges), dims)

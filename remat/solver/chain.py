@@ -105,9 +105,21 @@ class ChainCosts:
     time_s: list[float]
 
 
-def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
-    """Least recompute time for a chain of blocks (see the module docstring)."""
-    t0 = time.perf_counter()
+@dataclass(frozen=True)
+class ChainMenu:
+    """The chain's blocks, each class's menu of options, and the uniform plans (option ``o``
+    on every block, a class with fewer options using its last): eager to recompute-all."""
+
+    structure: Structure
+    menus: dict[tuple[int, ...], list[Option]]
+    options_of: list[list[Option]]
+    stitch: Callable[[Sequence[int]], frozenset[str]]
+    """The saved set of one option per block."""
+    uniform: list[Plan]
+
+
+def chain_menu(problem: Problem, config: SolverConfig) -> ChainMenu:
+    """Solve one block per class for its menu (cached) and stitch the uniform plans."""
     structure = find_structure(problem, config.block_types)
     if not structure.repeated:
         raise ValueError(
@@ -130,11 +142,22 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         return frozenset(saved)
 
     n_opts = max(len(m) for m in menus.values())
-    # Option o on every block (a class with fewer options uses its last).
     uniform = [
         make_plan(problem, stitch([o] * len(blocks)), solver="chain", reason="")
         for o in range(n_opts)
     ]
+    return ChainMenu(structure, menus, options_of, stitch, uniform)
+
+
+def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
+    """Least recompute time for a chain of blocks (see the module docstring)."""
+    t0 = time.perf_counter()
+    menu = chain_menu(problem, config)
+    structure, menus, options_of, stitch, uniform = (
+        menu.structure, menu.menus, menu.options_of, menu.stitch, menu.uniform
+    )  # fmt: skip
+    blocks = structure.blocks
+    n_opts = len(uniform)
     costs = [_costs(problem, structure, p.schedule.saved, p.simulation) for p in uniform]
     if config.progress:
         config.progress(f"chain: DP over {len(blocks)} blocks x {n_opts} options")

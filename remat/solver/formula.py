@@ -20,7 +20,6 @@ Pure numbers: no torch here (see :mod:`remat.graph.dynamic` for the captures).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -37,6 +36,7 @@ __all__ = [
     "Poly",
     "fit",
     "fit_points",
+    "StepPolynomials",
     "peak_candidates",
     "step_polynomials",
 ]
@@ -176,72 +176,135 @@ def fit(points: Sequence[tuple[int, int]], samples: Sequence[int]) -> Poly:
     return Fitter.over(points)(samples)
 
 
+@dataclass(frozen=True)
+class StepPolynomials:
+    """The allocator's bytes at every moment of a step, as integer coefficient rows over
+    ``monomials`` (divided by ``scale``), and the bytes the forward saves."""
+
+    monomials: tuple[Monomial, ...]
+    scale: int
+    names: tuple[str, ...]
+    """``phase:name`` of each moment."""
+    rows: tuple[tuple[int, ...], ...]
+    saved: Poly
+
+    def poly(self, k: int) -> Poly:
+        return Poly.of(
+            {m: Fraction(c, self.scale) for m, c in zip(self.monomials, self.rows[k], strict=True)}
+        )
+
+    def polys(self) -> list[tuple[str, Poly]]:
+        return [(n, self.poly(k)) for k, n in enumerate(self.names)]
+
+
 def step_polynomials(
     problem: Problem,
     schedule: Schedule,
     storage: Mapping[str, Poly],
     scratch: Mapping[str, Poly] | None = None,
-) -> tuple[list[tuple[str, Poly]], Poly]:
-    """``(moments, saved)``: the allocator's bytes at every moment of the step as
-    ``(phase:name, polynomial)``, and the bytes the forward saves for the backward.
-
-    The simulator runs once per monomial with every storage (and scratch) set to that
-    monomial's coefficient, scaled to integers; by linearity the sums are the polynomials.
-    """
+) -> StepPolynomials:
+    """Every moment's bytes as a polynomial: one simulation records when each storage is
+    counted (:attr:`Simulation.intervals`), and each moment sums the polynomials of the
+    storages counted there, plus its op's scratch."""
     scratch = scratch or {}
-    monomials = sorted({m for p in (*storage.values(), *scratch.values()) for m, _ in p.terms})
-    scale = lcm(
-        1, *(c.denominator for p in (*storage.values(), *scratch.values()) for _, c in p.terms)
-    )
-    steps: list[tuple[str, dict[Monomial, Fraction]]] = []
-    saved: dict[Monomial, Fraction] = {}
-    for m in monomials:
-        scaled = dataclasses.replace(
-            problem,
-            storage_bytes={k: int(p.coefficient(m) * scale) for k, p in storage.items()},
-            values=tuple(
-                dataclasses.replace(v, scratch_bytes=int(scratch[v.name].coefficient(m) * scale))
-                if v.name in scratch
-                else dataclasses.replace(v, scratch_bytes=0)
-                for v in problem.values
-            ),
-        )
-        sim = simulate(scaled, schedule)
-        if not steps:
-            steps = [(f"{t.phase}:{t.name}", {}) for t in sim.timeline]
-        for (_, coefficients), t in zip(steps, sim.timeline, strict=True):
-            coefficients[m] = Fraction(t.allocated_bytes, scale)
-        saved[m] = Fraction(sim.saved_bytes, scale)
-    if not monomials:  # nothing allocates: every moment holds 0 bytes
-        sim = simulate(problem, schedule)
-        steps = [(f"{t.phase}:{t.name}", {}) for t in sim.timeline]
-    return [(name, Poly.of(c)) for name, c in steps], Poly.of(saved)
+    polys = (*storage.values(), *scratch.values())
+    monomials = _closed({m for p in polys for m, _ in p.terms})
+    scale = lcm(1, *(c.denominator for p in polys for _, c in p.terms))
+
+    def row(p: Poly) -> list[int]:
+        return [int(p.coefficient(m) * scale) for m in monomials]
+
+    sim = simulate(problem, schedule, intervals=True)
+    assert sim.intervals is not None and sim.held_at_end is not None
+    n = len(sim.timeline)
+    width = len(monomials)
+    delta = [[0] * width for _ in range(n + 1)]
+    spans = [(s, a, b) for s, iv in sim.intervals.items() for a, b in iv]
+    spans += [(s, a, n - 1) for s, a in sim.held_at_end.items()]
+    rows_of: dict[str, list[int]] = {}
+    for s, a, b in spans:
+        r = rows_of.get(s)
+        if r is None:
+            r = rows_of[s] = row(storage[s]) if s in storage else [0] * width
+        start, stop = delta[a], delta[b + 1]
+        for i, c in enumerate(r):
+            start[i] += c
+            stop[i] -= c
+    rows: list[tuple[int, ...]] = []
+    running = [0] * width
+    for k, step in enumerate(sim.timeline):
+        running = [x + d for x, d in zip(running, delta[k], strict=True)]
+        if step.phase != "runtime" and step.name in scratch:
+            rows.append(tuple(x + c for x, c in zip(running, row(scratch[step.name]), strict=True)))
+        else:
+            rows.append(tuple(running))
+    saved_storages = {s for v in schedule.saved for s in problem.by_name[v].storages}
+    saved = sum((storage[s] for s in saved_storages if s in storage), Poly())
+    names = tuple(f"{t.phase}:{t.name}" for t in sim.timeline)
+    return StepPolynomials(monomials, scale, names, tuple(rows), saved)
 
 
 def peak_candidates(
-    moments: Iterable[tuple[str, Poly]], b_min: int, s_min: int
+    moments: StepPolynomials | Iterable[tuple[str, Poly]], b_min: int, s_min: int
 ) -> list[tuple[str, Poly]]:
     """The moments whose bytes can be the step's maximum somewhere in ``b >= b_min,
     s >= s_min``: every other moment is dominated by one of these there (proved on the
-    shifted coefficients), so the peak is the maximum over these alone."""
-    unique: dict[Poly, str] = {}
-    for name, p in moments:
-        unique.setdefault(p, name)
-    polys = list(unique)
-    shifted = {p: p.shifted(b_min, s_min) for p in polys}
-    kept: list[Poly] = []
-    # Larger polynomials first (at the range's corner), so dominators are met before the
-    # polynomials they dominate.
-    for p in sorted(
-        polys, key=lambda q: (q(b_min, s_min), q(b_min + 64, s_min + 4096)), reverse=True
-    ):
-        if any(_dominates(shifted[q], shifted[p]) for q in kept):
+    coefficients in ``b - b_min`` and ``s - s_min``), so the peak is the maximum over these
+    alone."""
+    if not isinstance(moments, StepPolynomials):
+        moments = _as_rows(list(moments))
+    shift = _shift_matrix(moments.monomials, b_min, s_min)
+    first: dict[tuple[int, ...], int] = {}
+    for k, r in enumerate(moments.rows):
+        first.setdefault(r, k)
+    shifted = {
+        r: tuple(sum(c * shift[i][j] for i, c in enumerate(r)) for j in range(len(r)))
+        for r in first
+    }
+    # Larger at a far corner first, so dominators come before what they dominate.
+    far = [(b_min + 64) ** i * (s_min + 4096) ** j for i, j in moments.monomials]
+    near = [b_min**i * s_min**j for i, j in moments.monomials]
+    order = sorted(first, key=lambda r: (_dot(r, far), _dot(r, near)), reverse=True)
+    kept: list[tuple[int, ...]] = []
+    for r in order:
+        sr = shifted[r]
+        if any(all(x >= y for x, y in zip(shifted[q], sr, strict=True)) for q in kept):
             continue
-        kept = [q for q in kept if not _dominates(shifted[p], shifted[q])]
-        kept.append(p)
-    return [(unique[p], p) for p in kept]
+        kept = [q for q in kept if not all(x >= y for x, y in zip(sr, shifted[q], strict=True))]
+        kept.append(r)
+    return [(moments.names[first[r]], moments.poly(first[r])) for r in kept]
 
 
-def _dominates(q: Poly, p: Poly) -> bool:
-    """``q >= p`` wherever the (shifted) variables are non-negative."""
-    return all(c >= 0 for _, c in (q - p).terms)
+def _dot(r: Sequence[int], w: Sequence[int]) -> int:
+    return sum(a * b for a, b in zip(r, w, strict=True))
+
+
+def _shift_matrix(monomials: Sequence[Monomial], b0: int, s0: int) -> list[list[int]]:
+    """``M[i][j]``: the coefficient of monomial ``j`` in monomial ``i`` written in
+    ``(b - b0, s - s0)`` (binomial expansion; closed over lower powers, which the basis has)."""
+    index = {m: j for j, m in enumerate(monomials)}
+    out = [[0] * len(monomials) for _ in monomials]
+    for i, (p, q) in enumerate(monomials):
+        for a in range(p + 1):
+            for e in range(q + 1):
+                j = index.get((a, e))
+                c = comb(p, a) * comb(q, e) * b0 ** (p - a) * s0 ** (q - e)
+                if j is None:
+                    if c:
+                        raise ValueError(f"the basis lacks ({a}, {e}), needed to shift ({p}, {q})")
+                    continue
+                out[i][j] += c
+    return out
+
+
+def _as_rows(moments: list[tuple[str, Poly]]) -> StepPolynomials:
+    """Polynomials as integer rows over the lower-closed basis of all their monomials."""
+    monomials = _closed({m for _, p in moments for m, _ in p.terms})
+    scale = lcm(1, *(c.denominator for _, p in moments for _, c in p.terms))
+    rows = tuple(tuple(int(p.coefficient(m) * scale) for m in monomials) for _, p in moments)
+    return StepPolynomials(monomials, scale, tuple(n for n, _ in moments), rows, Poly())
+
+
+def _closed(used: Iterable[Monomial]) -> tuple[Monomial, ...]:
+    """``used`` with every lower power (shifting ``b * s`` makes ``b``, ``s`` and ``1``)."""
+    return tuple(sorted({(a, e) for i, j in used for a in range(i + 1) for e in range(j + 1)}))

@@ -62,7 +62,10 @@ class Simulation:
     """Backward op time, recomputation included."""
     intervals: Mapping[str, list[tuple[int, int]]] | None = None
     """With ``simulate(..., intervals=True)``: per storage, the timeline steps (inclusive
-    ranges) at which it is counted live."""
+    ranges) at which it is counted live, until it is freed."""
+    held_at_end: Mapping[str, int] | None = None
+    """With ``intervals=True``: storages still live when the step ends, and the timeline step
+    from which each is counted (to the last step)."""
 
     @property
     def step_time_s(self) -> float:
@@ -200,4 +203,9 @@ def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -
         forward_time_s=sum(values[n].time_s for n in schedule.forward),
         backward_time_s=sum(values[n].time_s for n in schedule.backward),
         intervals=mem.intervals,
+        held_at_end=(
+            {s: mem.opened[s] for s, n in mem.holders.items() if n > 0}
+            if mem.intervals is not None
+            else None
+        ),
     )

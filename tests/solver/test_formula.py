@@ -92,7 +92,8 @@ def test_step_polynomials_equal_the_simulator_at_every_moment(
     }
     for name in ("keep_all", "keep_inputs", "chen_sqrt"):
         schedule = solve(problem, solver=name, budget_bytes=None).schedule
-        moments, saved = step_polynomials(problem, schedule, polys)
+        steps = step_polynomials(problem, schedule, polys)
+        moments, saved = steps.polys(), steps.saved
         b, s = data.draw(st.integers(1, 30)), data.draw(st.integers(1, 3000))
         concrete = dataclasses.replace(
             problem, storage_bytes={k: p.at(b, s) for k, p in polys.items()}
@@ -100,6 +101,7 @@ def test_step_polynomials_equal_the_simulator_at_every_moment(
         sim = simulate(concrete, schedule)
         assert [p.at(b, s) for _, p in moments] == [t.allocated_bytes for t in sim.timeline]
         assert saved.at(b, s) == sim.saved_bytes
+        assert max(p.at(b, s) for _, p in peak_candidates(steps, 1, 1)) == sim.peak_bytes
         assert max(p.at(b, s) for _, p in peak_candidates(moments, 1, 1)) == sim.peak_bytes
 
 

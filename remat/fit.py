@@ -1,0 +1,362 @@
+"""Will it fit? The longest sequence and the largest batch each plan fits in a device budget.
+
+    report = remat.fit(model, example_inputs, budget_gb=80, batch=4, seq=4096)
+    report.plans["every block"].max_seq
+
+Every plan is a fixed saved set whose peak is an exact formula in ``(b, s)``
+(:mod:`remat.formula`); its recompute share at a shape comes from the roofline of every op's
+FLOPs and bytes, themselves polynomials. So a search over shapes evaluates formulas and never
+re-captures. The plans:
+
+* ``no checkpointing``, ``Megatron selective`` (attention scores recomputed), ``every block``
+  (each repeated block's internals recomputed, as ``gradient_checkpointing_enable()``);
+* ``least peak``: at each shape, the least peak of all the plans below;
+* ``remat <= N%``: at each shape, the least-peak plan whose recompute is at most N% of the
+  step's time, among the baselines and the chain solver's per-block menu applied to every
+  block (its uniform plans, from keeping every activation to recomputing each block whole),
+  menus solved once at the example's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from remat import _torch_compat as tc
+from remat.api import _as_args, model_static_memory, resolve_profile
+from remat.budget import DEFAULT_RESERVE, GB, DeviceBudget, Options, device_budget
+from remat.formula import MemoryFormula, RangeFormula, analyze_dynamic, formula_of
+from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic_deep
+from remat.graph.profiles import DeviceProfile
+from remat.pipeline import analyze
+from remat.solver.chain import chain_menu
+from remat.solver.config import SolverConfig
+from remat.solver.formula import peak_candidates, step_polynomials
+from remat.solver.plan import Plan
+from remat.solver.registry import solve
+
+__all__ = ["CAPS", "FitReport", "FitRow", "fit", "fit_dynamic"]
+
+CAPS: tuple[float, ...] = (5.0, 10.0, 20.0)
+FIXED = {"no checkpointing": "keep_all", "Megatron selective": "megatron", "every block": "block"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One saved set over one range of shapes: its peak formula and its schedule's ops."""
+
+    name: str
+    peak: RangeFormula
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+    recomputed: tuple[str, ...]
+    saved: frozenset[str] = frozenset()
+
+    def recompute_pct(self, times: Mapping[str, float]) -> float:
+        step = sum(times.get(n, 0.0) for n in (*self.forward, *self.backward))
+        return 100 * sum(times.get(n, 0.0) for n in self.recomputed) / step if step else 0.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    plan: str
+    """The saved set chosen at this shape (a baseline's name or ``chain option k``)."""
+    step_peak_bytes: int
+    recompute_pct: float
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """Where one plan stops fitting."""
+
+    max_seq: int | None
+    """The longest sequence at the report's batch (None: not even the shortest fits)."""
+    max_batch: int | None
+    """The largest batch at the report's sequence."""
+    at_max_seq: Choice | None
+    at_max_batch: Choice | None
+    peak_bytes_at_max: int | None
+    """Device bytes (static + step peak) at ``(batch, max_seq)``."""
+
+
+@dataclass(frozen=True)
+class FitReport:
+    budget: DeviceBudget
+    batch: int
+    seq: int | None
+    seq_limit: int | None
+    """The longest sequence searched (the model's positions)."""
+    batch_limit: int
+    plans: Mapping[str, FitRow]
+    formula: MemoryFormula
+    """``no checkpointing``'s formula."""
+    candidates: Mapping[str, int] = field(default_factory=dict)
+    """Saved sets considered per range."""
+    planner: _Planner | None = field(default=None, repr=False, compare=False)
+
+    def choose(self, plan: str, b: int, s: int | None) -> Choice | None:
+        """The saved set row ``plan`` takes at ``(b, s)``, with its step peak and recompute
+        share (None where the shape is outside the captured ranges)."""
+        if self.planner is None:
+            raise ValueError("this report has no planner")
+        return self.planner.choose(plan, b, s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plans": {
+                name: {
+                    "max_seq": row.max_seq,
+                    "max_batch": row.max_batch,
+                    "peak_bytes_at_max": row.peak_bytes_at_max,
+                    "recompute_pct": None
+                    if row.at_max_seq is None
+                    else round(row.at_max_seq.recompute_pct, 3),
+                }
+                for name, row in self.plans.items()
+            },
+            "formula": str(self.formula.expr),
+            "budget_bytes": self.budget.budget_bytes,
+            "batch": self.batch,
+            "seq": self.seq,
+        }
+
+
+class _Planner:
+    """Every candidate saved set per range, evaluated at shapes from formulas alone."""
+
+    def __init__(
+        self, dynamic: DynamicProblem, config: SolverConfig, progress: Callable[[str], None] | None
+    ) -> None:
+        self.dynamic = dynamic
+        self.by_range: list[tuple[ShapeRange, list[Candidate]]] = []
+        for r in dynamic.ranges:
+            plans: dict[str, Plan] = {}
+            for name in (
+                "keep_all",
+                "megatron",
+                "block",
+                "keep_matmuls",
+                "keep_inputs",
+                "chen_sqrt",
+            ):
+                try:
+                    plans[name] = solve(r.template, solver=name, budget_bytes=None, config=config)
+                except ValueError:  # no blocks to checkpoint, no attention scores
+                    continue
+            if progress:
+                progress("per-block menu for the chain solver")
+            try:
+                for k, p in enumerate(chain_menu(r.template, config).uniform):
+                    plans[f"chain option {k}"] = p
+            except ValueError:
+                pass
+            self.by_range.append((r, [self._candidate(r, n, p) for n, p in plans.items()]))
+        self._times: dict[tuple[int, int | None], dict[str, float]] = {}
+
+    @staticmethod
+    def _candidate(r: ShapeRange, name: str, plan: Plan) -> Candidate:
+        moments = step_polynomials(r.template, plan.schedule, r.storage, r.scratch)
+        peak = RangeFormula(
+            r.b_min,
+            r.b_max,
+            r.s_min,
+            r.s_max,
+            tuple(peak_candidates(moments, r.b_min, r.s_min or 0)),
+            moments.saved,
+        )
+        sched = plan.schedule
+        return Candidate(
+            name, peak, sched.forward, sched.backward, sched.recomputed, frozenset(plan.saved)
+        )
+
+    def choices(self, b: int, s: int | None) -> list[tuple[Candidate, Choice]]:
+        r, candidates = next((x for x in self.by_range if x[0].contains(b, s)), (None, []))
+        if r is None:
+            return []
+        if (b, s) not in self._times:
+            self._times = {(b, s): r.times_at(b, s)}  # searches move on: keep the last
+        times = self._times[(b, s)]
+        return [
+            (c, Choice(c.name, c.peak.peak(b, s)[0], c.recompute_pct(times))) for c in candidates
+        ]
+
+    def choose(self, plan: str, b: int, s: int | None) -> Choice | None:
+        """The saved set ``plan`` (a row's name) takes at ``(b, s)``."""
+        options = self.choices(b, s)
+        if plan in FIXED:
+            return next((ch for c, ch in options if c.name == FIXED[plan]), None)
+        if plan != "least peak":
+            cap = float(plan.removeprefix("remat <= ").removesuffix("%"))
+            options = [(c, ch) for c, ch in options if ch.recompute_pct <= cap + 1e-9]
+        return min(
+            (ch for _, ch in options),
+            key=lambda ch: (ch.step_peak_bytes, ch.recompute_pct),
+            default=None,
+        )
+
+
+def _largest(fits: Callable[[int], bool], lo: int, hi: int | None) -> int | None:
+    """The largest ``n >= lo`` (up to ``hi``) with ``fits(n)``; ``fits`` is monotone."""
+    if not fits(lo):
+        return None
+    if hi is None:  # double to a bound first
+        hi = lo
+        while fits(hi * 2) and hi < 2**24:
+            hi *= 2
+        hi *= 2
+    elif fits(hi):
+        return hi
+    # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def fit_dynamic(
+    dynamic: DynamicProblem,
+    budget: DeviceBudget,
+    *,
+    batch: int,
+    seq: int | None,
+    seq_limit: int | None,
+    batch_limit: int = 1 << 16,
+    config: SolverConfig | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> FitReport:
+    """:func:`fit` on a captured :class:`DynamicProblem`."""
+    config = config or SolverConfig(time_limit_s=10.0)
+    planner = _Planner(dynamic, config, progress)
+    step_budget = budget.step_budget_bytes
+    names = [*FIXED, "least peak", *(f"remat <= {c:g}%" for c in CAPS)]
+    s_min = next((r.s_min for r in dynamic.ranges if r.s_min is not None), None)
+    rows: dict[str, FitRow] = {}
+    for name in names:
+        if progress:
+            progress(f"searching: {name}")
+
+        def fits(b: int, s: int | None, name: str = name) -> bool:
+            ch = planner.choose(name, b, s)
+            return ch is not None and ch.step_peak_bytes <= step_budget
+
+        max_seq = (
+            _largest(lambda s: fits(batch, s), s_min or 3, seq_limit) if seq is not None else None
+        )
+        max_batch = _largest(lambda b: fits(b, seq), 1, batch_limit)
+        at_seq = planner.choose(name, batch, max_seq) if max_seq is not None else None
+        at_batch = planner.choose(name, max_batch, seq) if max_batch is not None else None
+        rows[name] = FitRow(
+            max_seq,
+            max_batch,
+            at_seq,
+            at_batch,
+            None if at_seq is None else budget.static.total + at_seq.step_peak_bytes,
+        )
+    formula = formula_of(dynamic, "keep_all", budget.static)
+    return FitReport(
+        budget,
+        batch,
+        seq,
+        seq_limit,
+        batch_limit,
+        rows,
+        formula,
+        {
+            next(
+                (r.description for r in formula.ranges if r.b_min == sr.b_min), str(sr.b_min)
+            ): len(c)
+            for sr, c in planner.by_range
+        },
+        planner,
+    )
+
+
+def fit(
+    model: nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    budget_gb: float | None = None,
+    budget_bytes: int | None = None,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    zero_stage: int = 0,
+    world_size: int = 1,
+    reserve_fraction: float = DEFAULT_RESERVE,
+    device_profile: str | DeviceProfile = "auto",
+    max_seq: int | None = None,
+    max_batch: int = 1 << 16,
+    shallow: tuple[nn.Module, int, int] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> FitReport:
+    """For each plan, the longest sequence at the example's batch and the largest batch at
+    its length that fit the device budget (see the module docstring).
+
+    ``max_seq``: the longest length searched (default: the model's
+    ``config.max_position_embeddings`` or ``n_positions``, else 8x the example's).
+    ``shallow``: ``(copy with fewer layers, its layers, the model's layers)`` of a deep stack,
+    to fit on the copy (:func:`remat.graph.dynamic.capture_dynamic_deep`).
+    """
+    if (budget_gb is None) == (budget_bytes is None):
+        raise ValueError("pass budget_gb or budget_bytes")
+    total = int(budget_gb * GB) if budget_gb is not None else int(budget_bytes or 0)
+    options = Options(
+        optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
+    )
+    budget = device_budget(total, model_static_memory(model, options), options, reserve_fraction)
+    args = _as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    dims = Dims.of(args, kwargs)
+    if max_seq is None and dims.seq is not None:
+        cfg = getattr(model, "config", None)
+        max_seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        max_seq = int(max_seq) if max_seq else 8 * dims.seq
+    profile = resolve_profile(model, device_profile)
+    grads_held = not options.grads_released
+    if shallow is None:
+        dynamic = analyze_dynamic(
+            model, args, kwargs, precision=precision, grads_held=grads_held,
+            device_profile=profile, max_seq=max_seq, progress=progress,
+        )  # fmt: skip
+    else:
+        copy, copy_layers, layers = shallow
+
+        def on(m: nn.Module) -> Callable[[tuple[Any, ...], Mapping[str, Any]], Any]:
+            mode = tc.fake_mode_of(m)
+
+            def run(a: tuple[Any, ...], kw: Mapping[str, Any]) -> Any:
+                if mode is not None:  # fake inputs of another FakeTensorMode: same shapes here
+                    a, kw = pytree.tree_map(lambda x: _in_mode(x, mode), (a, dict(kw)))
+                return analyze(
+                    m, a, kw, device_profile=profile, precision=precision, grads_held=grads_held
+                )
+
+            return run
+
+        dynamic = capture_dynamic_deep(
+            on(model), on(copy), args, kwargs, dims, layers=layers, shallow_layers=copy_layers,
+            max_seq=max_seq, progress=progress,
+        )  # fmt: skip
+    return fit_dynamic(
+        dynamic,
+        budget,
+        batch=dims.batch,
+        seq=dims.seq,
+        seq_limit=max_seq,
+        batch_limit=max_batch,
+        progress=progress,
+    )
+
+
+def _in_mode(x: Any, mode: Any) -> Any:
+    """A tensor of ``x``'s shape and dtype in FakeTensorMode ``mode`` (a fake input made by
+    another mode cannot mix with ``mode``'s parameters)."""
+    if not isinstance(x, torch.Tensor) or getattr(x, "fake_mode", mode) is mode:
+        return x
+    with mode:
+        return torch.zeros(x.shape, dtype=x.dtype)
