@@ -403,6 +403,7 @@ def fit_command(args: argparse.Namespace) -> int:
                 device_profile=args.device,
                 max_seq=args.max_seq,
                 shallow=shallow,
+                time_limit_s=args.time_limit,
                 progress=lambda msg: status.update(msg),
             )
         except (StaticMemoryError, ValueError) as e:
@@ -547,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.add_argument("--json", action="store_true", help="print the answers as JSON only")
     f.add_argument("--plot", default=None, metavar="OUT.png",
                    help="device memory against sequence length per plan, with the budget")  # fmt: skip
-    f.set_defaults(func=fit_command)
+    f.set_defaults(func=fit_command, time_limit=10.0)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

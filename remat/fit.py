@@ -292,6 +292,7 @@ def fit(
     max_seq: int | None = None,
     max_batch: int = 1 << 16,
     shallow: tuple[nn.Module, int, int] | None = None,
+    time_limit_s: float = 10.0,
     progress: Callable[[str], None] | None = None,
 ) -> FitReport:
     """For each plan, the longest sequence at the example's batch and the largest batch at
@@ -301,6 +302,7 @@ def fit(
     ``config.max_position_embeddings`` or ``n_positions``, else 8x the example's).
     ``shallow``: ``(copy with fewer layers, its layers, the model's layers)`` of a deep stack,
     to fit on the copy (:func:`remat.graph.dynamic.capture_dynamic_deep`).
+    ``time_limit_s``: the chain solver's time for its per-block menus.
     """
     if (budget_gb is None) == (budget_bytes is None):
         raise ValueError("pass budget_gb or budget_bytes")
@@ -349,6 +351,7 @@ def fit(
         seq=dims.seq,
         seq_limit=max_seq,
         batch_limit=max_batch,
+        config=SolverConfig(time_limit_s=time_limit_s),
         progress=progress,
     )
 

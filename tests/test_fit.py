@@ -28,7 +28,7 @@ def _report() -> tuple[Any, tuple[Any, ...], FitReport]:
         static = model_static_memory(model, Options()).total
         # Room for no checkpointing up to about length 64 at batch 2.
         report = fit(model, args, budget_bytes=static + 3_000_000, reserve_fraction=0.0,
-                     device_profile="h100", max_seq=128)  # fmt: skip
+                     device_profile="h100", max_seq=128, time_limit_s=2.0)  # fmt: skip
         _CACHE["r"] = (model, args, report)
     return _CACHE["r"]
 
@@ -85,11 +85,20 @@ def test_checkpointing_fits_longer_sequences_than_keeping_everything() -> None:
             assert row.at_max_seq.recompute_pct <= float(name[9:-1]) + 1e-9
 
 
-def test_fit_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_fit_prints_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command line over the report the tests above check (one fit fewer in CI)."""
+    _, _, report = _report()
+    monkeypatch.setattr("remat.cli.fit", lambda *a, **k: report)
     assert main(["fit", "tests.zoo:tiny_llama_factory", "--budget-gb", "0.02", "--device",
                  "h100", "--json"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert set(out["plans"]) >= {"no checkpointing", "every block", "least peak", "remat <= 5%"}
     row = out["plans"]["every block"]
     assert set(row) == {"max_seq", "max_batch", "peak_bytes_at_max", "recompute_pct"}
-    assert "Max(" in out["formula"] or "s" in out["formula"]
+    assert row["max_seq"] == report.plans["every block"].max_seq
+    assert "Max(" in out["formula"]
+    assert main(["fit", "tests.zoo:tiny_llama_factory", "--budget-gb", "0.02"]) == 0
+    text = capsys.readouterr().out
+    assert "every block" in text and "step peak = max of" in text
