@@ -22,7 +22,14 @@ from torch import nn
 
 from remat.api import _as_args, model_static_memory, resolve_profile
 from remat.budget import Options, StaticMemory
-from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic
+from remat.graph.dynamic import (
+    Dims,
+    DynamicProblem,
+    ShapeRange,
+    capture_dynamic,
+    range_text,
+    within,
+)
 from remat.graph.profiles import DeviceProfile
 from remat.pipeline import analyze
 from remat.solver.formula import Poly, peak_candidates, step_polynomials
@@ -49,11 +56,7 @@ class RangeFormula:
     """The same without kernel scratch: live storages, what a live-storage meter sees."""
 
     def contains(self, b: int, s: int | None) -> bool:
-        if b < self.b_min or (self.b_max is not None and b > self.b_max):
-            return False
-        if s is None or self.s_min is None:
-            return True
-        return s >= self.s_min and (self.s_max is None or s <= self.s_max)
+        return within(self, b, s)
 
     def peak(self, b: int, s: int | None, *, tensors: bool = False) -> tuple[int, str]:
         s_ = 0 if s is None else s
@@ -63,11 +66,7 @@ class RangeFormula:
 
     @property
     def description(self) -> str:
-        b = f"b = {self.b_min}" if self.b_max == self.b_min else f"b >= {self.b_min}"
-        if self.s_min is None:
-            return b
-        top = "" if self.s_max is None else f" <= {self.s_max}"
-        return f"{b}, {self.s_min} <= s{top}"
+        return range_text(self)
 
 
 @dataclass(frozen=True)
@@ -192,7 +191,7 @@ def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) 
         except ValueError as e:
             if isinstance(plan, str):
                 raise
-            notes.append(f"{_text(r)} not covered: {e}")
+            notes.append(f"{range_text(r)} not covered: {e}")
             continue
         moments = step_polynomials(r.template, schedule, r.storage, r.scratch)
         saved = moments.saved
@@ -212,10 +211,6 @@ def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) 
         raise ValueError(f"the plan covers none of the ranges: {'; '.join(notes)}")
     name = plan if isinstance(plan, str) else plan.solver
     return MemoryFormula(name, static, tuple(ranges), dynamic.dims.seq is not None, tuple(notes))
-
-
-def _text(r: ShapeRange) -> str:
-    return RangeFormula(r.b_min, r.b_max, r.s_min, r.s_max, (), Poly()).description
 
 
 def memory_formula(

@@ -22,7 +22,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -115,11 +115,7 @@ class ShapeRange:
     checked_at: tuple[tuple[int, int], ...]
 
     def contains(self, b: int, s: int | None) -> bool:
-        if b < self.b_min or (self.b_max is not None and b > self.b_max):
-            return False
-        if s is None or self.s_min is None:
-            return True
-        return s >= self.s_min and (self.s_max is None or s <= self.s_max)
+        return within(self, b, s)
 
     def times_at(self, b: int, s: int | None) -> dict[str, float]:
         """Each timed op's roofline seconds at ``(b, s)`` (the others take none)."""
@@ -169,14 +165,37 @@ class DynamicProblem:
         for r in self.ranges:
             if r.contains(b, s):
                 return r
-        covered = ", ".join(_range_text(r) for r in self.ranges)
+        covered = ", ".join(range_text(r) for r in self.ranges)
         raise ValueError(f"(b={b}, s={s}) is outside the captured ranges ({covered})")
 
     def problem_at(self, b: int, s: int | None) -> Problem:
         return self.range_of(b, s).problem_at(b, s)
 
 
-def _range_text(r: ShapeRange) -> str:
+class Bounds(Protocol):
+    """A range of shapes (frozen dataclasses: read-only members)."""
+
+    @property
+    def b_min(self) -> int: ...
+    @property
+    def b_max(self) -> int | None: ...
+    @property
+    def s_min(self) -> int | None: ...
+    @property
+    def s_max(self) -> int | None: ...
+
+
+def within(r: Bounds, b: int, s: int | None) -> bool:
+    """``(b, s)`` is in the range ``r`` bounds (no length: any)."""
+    if b < r.b_min or (r.b_max is not None and b > r.b_max):
+        return False
+    if s is None or r.s_min is None:
+        return True
+    return s >= r.s_min and (r.s_max is None or s <= r.s_max)
+
+
+def range_text(r: Bounds) -> str:
+    """``b >= 2, 3 <= s <= 4096``."""
     b = f"b = {r.b_min}" if r.b_max == r.b_min else f"b >= {r.b_min}"
     if r.s_min is None:
         return b
