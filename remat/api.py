@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,15 @@ from remat.budget import (
     device_budget,
     static_memory,
 )
+from remat.graph.dynamic import Dims, capture_dynamic, same_graph
 from remat.graph.profiles import DeviceProfile, auto_profile_name
-from remat.pipeline import BudgetError, analyze, choose_plan
+from remat.lengths import LengthPlans, PlanningEvent, bucket_tops
+from remat.pipeline import Analysis, BudgetError, analyze, choose_plan
+from remat.problem import Problem
 from remat.rewrite.executor import build_executor
 from remat.rewrite.module import Compiled, RematModule, signature
 from remat.solver.config import SolverConfig
+from remat.solver.formula import FitError
 from remat.solver.plan import Plan
 
 
@@ -57,6 +62,8 @@ def optimize(
     device_profile: str | DeviceProfile = "auto",
     time_limit_s: float = 60.0,
     block_types: tuple[str, ...] = (),
+    max_seq: int | None = None,
+    seq_buckets: Sequence[int] = (),
     progress: Callable[[str], None] | None = None,
 ) -> RematModule:
     """Plan which activations ``model`` keeps for its backward and return a module that trains
@@ -91,6 +98,16 @@ def optimize(
             on), ``cpu``, ``a100``, ``h100``, ``h200``, or a :class:`remat.DeviceProfile`.
         time_limit_s: wall-clock limit of optimizing solvers.
         block_types: module class names or path patterns the ``block`` baseline checkpoints.
+        max_seq: the longest sequence training will use, for inputs whose length varies (dim 1
+            of the first input, token ids; the example at or below it, of 8 tokens or more).
+            The plan is solved at ``max_seq``, and its peak at every shorter length, an exact
+            formula, is checked against the budget: a new length is captured and runs the same
+            plan, with no solve and no warning. ``module.lengths`` has the plans, their
+            formulas and what each length cost. Costs 7 captures at small shapes (4 at batch 1)
+            before the first solve.
+        seq_buckets: with ``max_seq``, the longest length of each bucket (e.g. ``(512, 1024,
+            2048)``): one plan per bucket, each solved at its longest length, so short
+            batches keep more and recompute less.
         progress: called with a short status line as long solves advance.
 
     Without any budget everything is kept. A budget below the static memory raises
@@ -113,8 +130,8 @@ def optimize(
     )
     device_profile = resolve_profile(model, device_profile)
 
-    def planner(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Compiled:
-        analysis = analyze(
+    def analysis_of(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Analysis:
+        return analyze(
             src,
             a,
             kw,
@@ -122,10 +139,11 @@ def optimize(
             precision=precision,
             grads_held=not options.grads_released,
         )
-        t_solve = time.perf_counter()
+
+    def solved(problem: Problem) -> Plan:
         try:
             chosen = choose_plan(
-                analysis.problem,
+                problem,
                 plan=plan,
                 solver=solver,
                 activation_budget_bytes=step_budget,
@@ -135,19 +153,103 @@ def optimize(
             if device is None:
                 raise
             raise DeviceBudgetError(device, e) from None
+        return chosen
+
+    def compiled(analysis: Analysis, chosen: Plan, solve_s: float) -> Compiled:
         if device is not None:
             chosen = dataclasses.replace(chosen, device_memory=device.breakdown(chosen))
         t_rewrite = time.perf_counter()
         executor = build_executor(analysis.joint, analysis.problem, chosen)
         timings = {
             **analysis.timings,
-            "solve": t_rewrite - t_solve,
+            "solve": solve_s,
             "rewrite": time.perf_counter() - t_rewrite,
         }
         return Compiled(analysis.captured, executor, analysis.problem, timings)
 
+    lengths: LengthPlans | None = None
+
+    def planner(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Compiled:
+        t0 = time.perf_counter()
+        analysis = analysis_of(src, a, kw)
+        t_solve = time.perf_counter()
+        s = lengths.length_of(a, kw) if lengths is not None else None
+        if lengths is not None and s is not None and src.training == lengths.training:
+            if same_graph(analysis.problem, lengths.range.template):
+                chosen = lengths.plan_at(analysis.problem, s)
+                done = compiled(analysis, chosen, time.perf_counter() - t_solve)
+                bucket = lengths.bucket_of(s)
+                lengths.record(PlanningEvent(s, bucket.hi, time.perf_counter() - t0))
+                return done
+            warnings.warn(
+                f"remat: the graph at length {s} differs from the one fitted for max_seq (the "
+                "model branches on these inputs); solving a plan for it alone",
+                stacklevel=4,
+            )
+        chosen = solved(analysis.problem)
+        return compiled(analysis, chosen, time.perf_counter() - t_solve)
+
+    if max_seq is not None or seq_buckets:
+        lengths = _length_plans(
+            model, args, kwargs, analysis_of, solved, step_budget, options, max_seq, seq_buckets,
+            progress,
+        )  # fmt: skip
     first_compiled = planner(model, args, kwargs)
-    return RematModule(model, first_compiled, signature(args, kwargs), planner)
+    return RematModule(model, first_compiled, signature(args, kwargs), planner, lengths)
+
+
+def _length_plans(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    analysis_of: Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], Analysis],
+    solved: Callable[[Problem], Plan],
+    step_budget: int | None,
+    options: Options,
+    max_seq: int | None,
+    seq_buckets: Sequence[int],
+    progress: Callable[[str], None] | None,
+) -> LengthPlans:
+    """The fit over lengths at the example's batch (:func:`remat.graph.dynamic.capture_dynamic`)
+    and a plan per bucket, each solved at its longest length."""
+    dims = Dims.of(args, kwargs)
+    if dims.seq is None:
+        raise ValueError(
+            "max_seq needs a sequence dimension: dim 1 of the first input, with an integer "
+            "dtype (token ids)"
+        )
+    tops = bucket_tops(max_seq, seq_buckets, dims.seq)
+    t0 = time.perf_counter()
+    try:
+        dynamic = capture_dynamic(
+            lambda a, kw: analysis_of(model, a, kw),
+            args,
+            kwargs,
+            dims,
+            max_seq=tops[-1],
+            batch=dims.batch,
+            progress=progress,
+        )
+    except FitError as e:
+        raise ValueError(
+            f"max_seq: the step cannot be fitted over lengths ({e}); plan each length "
+            "without max_seq"
+        ) from None
+    plans = LengthPlans(
+        dynamic,
+        tops,
+        model_static_memory(model, options),
+        solved,
+        step_budget,
+        (args, kwargs),
+        model.training,
+        time.perf_counter() - t0,
+    )
+    for bucket in plans.buckets:  # now, so a budget too small fails here, not mid-training
+        if progress:
+            progress(f"solving for lengths {bucket.lo}..{bucket.hi} at length {bucket.hi}")
+        plans.solved(bucket)
+    return plans
 
 
 _CPU = torch.device("cpu")

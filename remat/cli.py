@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -56,9 +57,16 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f}"
 
 
+def _console(piped_width: int) -> Console:
+    """The terminal's width; piped output (CI logs, files) gets ``piped_width`` so tables are
+    never squeezed, unless ``COLUMNS`` says otherwise."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console()
+    return Console(width=piped_width)
+
+
 def demo(args: argparse.Namespace) -> int:
-    # Piped output (CI logs, files) gets a fixed width so the table is never squeezed.
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console = _console(120)
     torch.manual_seed(args.seed)
     model = TinyGPT(
         vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq
@@ -70,10 +78,12 @@ def demo(args: argparse.Namespace) -> int:
         f"heads, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, "
         f"{n_params / 1e6:.2f}M parameters, dropout 0.1, fp32 on CPU"
     )
+    # One space between columns, no outer margin: 98 columns, whole in a 100-column terminal.
     table = Table(
         title="one training step per plan; memory in MiB",
         box=box.SIMPLE_HEAD,
-        padding=(0, 1),
+        padding=(0, 0),
+        show_edge=False,
     )
     for col in (
         "plan",
@@ -189,7 +199,7 @@ def _demo_sweep(
 
 def plan_command(args: argparse.Namespace) -> int:
     """``remat plan MODEL --budget-gb N ...``: plan a model under FakeTensorMode and report."""
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console = _console(120)
     if args.list:
         table = Table(
             title="presets (Hugging Face configs, random init, planned with fake tensors)"
@@ -252,7 +262,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def compare_command(args: argparse.Namespace) -> int:
     """``remat compare MODEL``: every solver at one device budget, or over a sweep of them."""
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console = _console(120)
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
         options = Options(
@@ -378,7 +388,7 @@ def _shallow(
 
 def fit_command(args: argparse.Namespace) -> int:
     """``remat fit MODEL --budget-gb N``: the longest sequence and largest batch per plan."""
-    console = Console() if sys.stdout.isatty() else Console(width=140)
+    console = _console(140)
     err = Console(stderr=True)
     t0 = time.perf_counter()
     try:

@@ -101,6 +101,14 @@ class MemoryFormula:
         """Device bytes at the step's peak: static memory plus the step's peak."""
         return self.static.total + self.step_peak_bytes(b, s)
 
+    def max_step_peak_bytes(self, b: int, lo: int, hi: int) -> tuple[int, int]:
+        """``(bytes, s)``: the step's largest peak over the lengths ``lo <= s <= hi`` at
+        batch ``b`` and a length where it is reached, exactly (not sampled)."""
+        r = self._range(b, lo)
+        if self._range(b, hi) is not r:
+            raise ValueError(f"lengths {lo}..{hi} span two of the formula's ranges")
+        return max(p.max_over_s(b, lo, hi) for _, p in r.candidates)
+
     def peak_moment(self, b: int, s: int | None = None) -> str:
         """Where in the step the peak falls (``phase:op``)."""
         return self._range(b, s).peak(b, s)[1]

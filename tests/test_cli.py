@@ -7,15 +7,22 @@ import pytest
 from remat.cli import main
 
 
-def test_demo_runs_and_reports_equal(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_runs_and_reports_equal(
+    tmp_path: object, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a 100-column terminal: no column cut, and nothing but remat's lines (no profiler
+    or allocator chatter on stderr)."""
     from pathlib import Path
 
+    monkeypatch.setenv("COLUMNS", "100")
     out_dir = Path(str(tmp_path)) / "demo"
     code = main(["demo", "--layers", "2", "--dim", "32", "--heads", "2", "--vocab", "64",
                  "--seq", "16", "--batch", "2", "--steps", "1", "--time-limit", "5",
                  "--budgets", "3", "--out", str(out_dir)])  # fmt: skip
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
     assert code == 0
+    assert err == "", err
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 100
     for plan in ("keep_all", "keep_inputs", "keep_matmuls", "block", "megatron", "auto @"):
         assert plan in out
     assert "DIFFER" not in out and out.count("equal") >= 7

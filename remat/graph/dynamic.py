@@ -32,7 +32,15 @@ from remat.graph.profiles import get_profile
 from remat.problem import Problem, Role
 from remat.solver.formula import FitError, Fitter, Poly
 
-__all__ = ["DynamicProblem", "ShapeRange", "Dims", "capture_dynamic", "inputs_at"]
+__all__ = [
+    "DynamicProblem",
+    "ShapeRange",
+    "Dims",
+    "capture_dynamic",
+    "inputs_at",
+    "same_graph",
+    "shape_at",
+]
 
 Inputs = tuple[tuple[Any, ...], Mapping[str, Any]]
 Analyzer = Callable[[tuple[Any, ...], Mapping[str, Any]], Any]
@@ -73,20 +81,30 @@ def _resize(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return t.repeat(*reps).narrow(dim, 0, n).contiguous()
 
 
+def shape_at(dims: Dims, shape: Sequence[int], b: int, s: int | None) -> tuple[int, ...]:
+    """An example tensor's shape at batch ``b`` and length ``s``: its batch (sequence)
+    dimension resized where it has the example's size."""
+    out = list(shape)
+    if out and out[dims.batch_dim] == dims.batch:
+        out[dims.batch_dim] = b
+    seq = dims.seq is not None and s is not None and len(out) > dims.seq_dim
+    if seq and s is not None and out[dims.seq_dim] == dims.seq:
+        out[dims.seq_dim] = s
+    return tuple(out)
+
+
 def inputs_at(
     args: tuple[Any, ...], kwargs: Mapping[str, Any], dims: Dims, b: int, s: int | None
 ) -> Inputs:
-    """The example inputs tiled and cropped to batch ``b`` and length ``s``: every tensor
-    whose batch (sequence) dimension has the example's size is resized."""
+    """The example inputs tiled and cropped to batch ``b`` and length ``s`` (the shapes of
+    :func:`shape_at`), so token ids, masks and labels stay valid."""
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
-        if t.shape[dims.batch_dim] == dims.batch:
-            t = _resize(t, dims.batch_dim, b)
-        seq = dims.seq is not None and s is not None and t.dim() > dims.seq_dim
-        if seq and s is not None and t.shape[dims.seq_dim] == dims.seq:
-            t = _resize(t, dims.seq_dim, s)
+        target = shape_at(dims, t.shape, b, s)
+        for d, n in enumerate(target):
+            t = _resize(t, d, n)
         return t
 
     new_args, new_kwargs = pytree.tree_map(one, (args, dict(kwargs)))
@@ -208,6 +226,11 @@ def _signature(problem: Problem) -> list[tuple[Any, ...]]:
         (v.name, v.role, v.op, v.inputs, v.storages, v.allocates, v.random, v.savable, len(v.shape))
         for v in problem.values
     ]
+
+
+def same_graph(problem: Problem, template: Problem) -> bool:
+    """Same values, ops, storages and ranks: a plan of ``template`` means the same there."""
+    return _signature(problem) == _signature(template)
 
 
 def _timed(analysis: Any) -> dict[str, tuple[int, str]]:
@@ -333,10 +356,12 @@ def capture_dynamic(
     dims: Dims,
     *,
     max_seq: int | None = None,
+    batch: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> DynamicProblem:
     """Fit the step over ``b >= 1`` (two ranges: ``b = 1`` and ``b >= 2``) and, when the model
-    has a sequence, every length from 3 up to ``max_seq``."""
+    has a sequence, every length from 3 up to ``max_seq``. ``batch``: only the range that
+    holds it (4 captures for ``b = 1``, 7 for the other)."""
     has_seq = dims.seq is not None
     lengths, check = fit_lengths(dims.seq) if dims.seq is not None else ([0, 0, 0], 0)
     s_range: tuple[int | None, int | None] = (3, max_seq) if has_seq else (None, None)
@@ -346,27 +371,32 @@ def capture_dynamic(
         return analyze(a, kw)
 
     s_fit = lengths if has_seq else [0]
-    ranges = [
-        _fit_range(
-            analyze_at,
-            [(b, s) for b in (2, 3) for s in s_fit],
-            [(4, check)] if has_seq else [(4, 0), (5, 0)],
-            has_seq,
-            (2, None),
-            s_range,
-            progress,
-        ),
-        _fit_range(
-            analyze_at,
-            [(1, s) for s in s_fit],
-            [(1, check)] if has_seq else [],
-            has_seq,
-            (1, 1),
-            s_range,
-            progress,
-        ),
-    ]
-    return DynamicProblem(tuple(reversed(ranges)), dims)
+    ranges = []
+    if batch is None or batch == 1:
+        ranges.append(
+            _fit_range(
+                analyze_at,
+                [(1, s) for s in s_fit],
+                [(1, check)] if has_seq else [],
+                has_seq,
+                (1, 1),
+                s_range,
+                progress,
+            )
+        )
+    if batch is None or batch >= 2:
+        ranges.append(
+            _fit_range(
+                analyze_at,
+                [(b, s) for b in (2, 3) for s in s_fit],
+                [(4, check)] if has_seq else [(4, 0), (5, 0)],
+                has_seq,
+                (2, None),
+                s_range,
+                progress,
+            )
+        )
+    return DynamicProblem(tuple(ranges), dims)
 
 
 _LAYER = re.compile(r"^(?P<head>.*?)\.(?P<index>\d+)(?P<tail>\..*)?$")

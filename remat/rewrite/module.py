@@ -6,7 +6,9 @@ user's parameters, and the user's module object itself is never modified (its fo
 and training flags stay as they were).
 
 Graphs are specialised to the training flag and the input shapes they were captured with; a
-call with another flag or other shapes plans again (once per new signature, with a warning).
+call with another flag or other shapes plans again (once per new signature, with a warning),
+except a length that ``remat.optimize(..., max_seq=N)`` planned for: captured, no solve
+(:mod:`remat.lengths`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +28,9 @@ from remat.planfile import save_plan
 from remat.problem import Problem, Role
 from remat.rewrite.executor import Executor
 from remat.solver.plan import Plan
+
+if TYPE_CHECKING:
+    from remat.lengths import LengthPlans
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ class RematModule(nn.Module):
     _first: Compiled
     _source_name: str
     _fake: bool
+    _lengths: LengthPlans | None
 
     def __init__(
         self,
@@ -95,6 +101,7 @@ class RematModule(nn.Module):
         first: Compiled,
         first_signature: Hashable,
         planner: Planner,
+        lengths: LengthPlans | None = None,
     ) -> None:
         super().__init__()
         _mirror(source, self)
@@ -107,6 +114,7 @@ class RematModule(nn.Module):
         object.__setattr__(self, "_first", first)
         object.__setattr__(self, "_source_name", type(source).__name__)
         object.__setattr__(self, "_fake", any(is_fake(p) for p in source.parameters()))
+        object.__setattr__(self, "_lengths", lengths)
 
     @property
     def plan(self) -> Plan:
@@ -117,6 +125,12 @@ class RematModule(nn.Module):
     def plans(self) -> dict[Hashable, Plan]:
         """Every plan made so far, by (training flag, input signature)."""
         return {k: c.executor.plan for k, c in self._compiled.items()}
+
+    @property
+    def lengths(self) -> LengthPlans | None:
+        """With ``remat.optimize(..., max_seq=N)``: the plan of each bucket of lengths, its
+        exact peak formula, and what each new length cost (``.events``, ``.summary()``)."""
+        return self._lengths
 
     def report(self, width: int = 120) -> str:
         """Print and return the memory breakdown and the plan by module (``remat.explain``)."""
@@ -155,12 +169,14 @@ class RematModule(nn.Module):
             again = self._compiled.get(key)
             if again is not None and again.captured.takes_branches_of(args, kwargs):
                 return again
-        warnings.warn(
-            f"remat: planning again for {'training' if self.training else 'eval'} mode with "
-            "new input shapes/options (graphs are specialised to the inputs they were traced "
-            "with, and to the branches Hugging Face's mask code takes on them)",
-            stacklevel=3,
-        )
+        covered = self._lengths is not None and self._lengths.covers(self.training, args, kwargs)
+        if not covered:
+            warnings.warn(
+                f"remat: planning again for {'training' if self.training else 'eval'} mode with "
+                "new input shapes/options (graphs are specialised to the inputs they were traced "
+                "with, and to the branches Hugging Face's mask code takes on them)",
+                stacklevel=3,
+            )
         source: nn.Module = self._source
         flags = {m: m.training for m in source.modules()}
         try:

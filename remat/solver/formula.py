@@ -110,6 +110,29 @@ class Poly:
     def __str__(self) -> str:
         return str(self.to_sympy())
 
+    def max_over_s(self, b: int, lo: int, hi: int) -> tuple[int, int]:
+        """``(value, s)``: the largest value over the integer lengths ``lo <= s <= hi`` at
+        batch ``b``, exactly. A polynomial of degree <= 2 in ``s`` peaks at an end of the
+        interval or at its vertex, so those three lengths are all there is to evaluate."""
+        if lo > hi:
+            raise ValueError(f"empty range of lengths: {lo} > {hi}")
+        by_power: dict[int, Fraction] = {}
+        for (i, j), c in self.terms:
+            if j > 2:
+                raise ValueError(f"{self} has degree {j} in s; max_over_s takes 2 at most")
+            by_power[j] = by_power.get(j, Fraction(0)) + c * b**i
+        lengths = {lo, hi}
+        a2, a1 = by_power.get(2, Fraction(0)), by_power.get(1, Fraction(0))
+        if a2 < 0:
+            vertex = -a1 / (2 * a2)
+            for s in (
+                vertex.numerator // vertex.denominator,
+                -(-vertex.numerator // vertex.denominator),
+            ):
+                if lo <= s <= hi:
+                    lengths.add(s)
+        return max((self.at(b, s), s) for s in sorted(lengths))
+
 
 def fit_points(b_values: Sequence[int], s_values: Sequence[int]) -> list[tuple[int, int]]:
     """The shapes a fit over :data:`BASIS` needs: two batches times three lengths (one batch:

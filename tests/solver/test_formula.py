@@ -110,3 +110,20 @@ def test_rational_coefficients_stay_exact() -> None:
     assert half.at(1, 9) == 45
     with pytest.raises(ValueError, match="not an integer"):
         Poly.of({(0, 1): Fraction(1, 2)}).at(1, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cs=st.lists(st.integers(-500, 500), min_size=len(BASIS), max_size=len(BASIS)),
+    b=st.integers(1, 8),
+    lo=st.integers(0, 60),
+    width=st.integers(0, 60),
+)
+def test_the_largest_value_over_lengths_is_exact(
+    cs: list[int], b: int, lo: int, width: int
+) -> None:
+    """Ends and vertex against every length (concave, convex and linear in s all occur)."""
+    p = _poly(cs)
+    value, at = p.max_over_s(b, lo, lo + width)
+    assert value == max(p.at(b, s) for s in range(lo, lo + width + 1))
+    assert lo <= at <= lo + width and p.at(b, at) == value
