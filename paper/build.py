@@ -340,6 +340,71 @@ def _native_cells(r: dict[str, str], *, predicted: bool) -> list[str]:
     ]
 
 
+def fit_table() -> str:
+    """``remat fit`` on the practitioners' model at 80 GB: per plan, the longest sequence at
+    batch 4 and the largest batch at 2048 and 8192 tokens."""
+    rows = _read("fit_table.csv")
+    by = {(r["seq"], r["plan"]): r for r in rows}
+    out = []
+    for plan in dict.fromkeys(r["plan"] for r in rows):
+        short, long = by[("2048", plan)], by[("8192", plan)]
+        peak = _num(short["peak_bytes_at_max"])
+        out.append(
+            [
+                plan,
+                short["max_seq"],
+                _fmt(peak / 1e9 if peak and short["max_seq"] != "0" else None),
+                _fmt(_num(short["recompute_pct"]), 1),
+                "yes" if int(short["max_seq"]) >= 8192 else "no (OOM)",
+                short["max_batch"],
+                long["max_batch"],
+            ]
+        )
+    header = ["plan", "max seq at batch 4", "device GB there", "recompute % there",
+              "seq 8192 at batch 4 fits", "max batch at seq 2048", "max batch at seq 8192"]  # fmt: skip
+    return _table(header, out)
+
+
+def fit_layer_table() -> str:
+    """One layer's saved bytes as remat derives them (keep-all, 16-bit model) against
+    Korthikanti et al.'s s*b*h*(34 + 5*a*s/h)."""
+    out = [
+        [
+            f"({r['h']}, {r['a']})",
+            r["layer_saved_bytes"],
+            f"34 h = {34 * int(r['h'])}",
+            f"{r['bs_coefficient']} = {r['bs_in_h']}",
+            f"5 a = {5 * int(r['a'])}",
+            f"{r['bs2_coefficient']} = {r['bs2_in_a']} a",
+            r["other_terms"],
+        ]
+        for r in _read("fit_layer.csv")
+    ]
+    header = ["(h, a)", "remat: one layer's saved bytes", "paper: b s term", "remat: b s term",
+              "paper: b s^2 term", "remat: b s^2 term", "other terms"]  # fmt: skip
+    return _table(header, out)
+
+
+def lengths_table() -> str:
+    """20 random lengths three ways: planning per length, one plan (max_seq), buckets."""
+    out = [
+        [
+            r["strategy"],
+            r["solves"],
+            _fmt(_num(r["planning_s"]), 1),
+            _fmt(_num(r["max_allocator_peak"]) / MIB),
+            _fmt(_num(r["budget"]) / MIB),
+            r["predicted_eq_measured"],
+            r["bitwise_outputs"],
+            _fmt(_num(r["recompute_ms"]), 1),
+        ]
+        for r in _read("lengths.csv")
+    ]
+    header = ["strategy", "solves", "planning s", "largest allocator peak MiB", "budget MiB",
+              "predicted == measured", "bitwise", "recompute ms (sum)"]  # fmt: skip
+    return _table(header, out)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "compare": compare_table,
     "predicted": predicted_table,
@@ -350,6 +415,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu_table": gpu_table,
     "table2": table2,
     "native": native_table,
+    "fit": fit_table,
+    "fit_layer": fit_layer_table,
+    "lengths": lengths_table,
 }
 MARK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
