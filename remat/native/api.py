@@ -21,6 +21,7 @@ from torch import nn
 from remat._torch_compat import is_fake
 from remat.api import _as_args, resolve_budget, resolve_profile
 from remat.budget import DEFAULT_RESERVE, DeviceBudgetError, Options
+from remat.graph.dynamic import Dims, inputs_at
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
 from remat.native.regions import BlockError, Policy
@@ -81,6 +82,7 @@ def apply(
     device_profile: str | DeviceProfile = "auto",
     time_limit_s: float = 60.0,
     block_types: tuple[str, ...] = (),
+    max_seq: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> nn.Module:
     """Plan a selective-checkpoint policy per block of ``model`` and wrap the blocks **in
@@ -117,6 +119,11 @@ def apply(
     peak is one rank's: gathered parameters of the running and prefetched blocks, gradients
     before and after reduce-scatter.
 
+    ``max_seq``: for inputs whose length varies (dim 1 of the first input, token ids), the
+    longest. The policies do not depend on shapes, so one plan runs every length; it is planned
+    and its peak traced at ``max_seq`` (the example inputs tiled to that length), the longest
+    and so the highest-peaked of them.
+
     Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
     refused after them), and only once (:func:`unapply` first to re-plan).
     """
@@ -131,6 +138,8 @@ def apply(
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
+    if max_seq is not None:
+        args, kwargs = _at_longest(args, kwargs, max_seq)
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
     )
@@ -180,6 +189,22 @@ def apply(
         solution.trace.scratch,
     )
     return model
+
+
+def _at_longest(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], max_seq: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example inputs tiled to ``max_seq`` along their sequence dimension."""
+    dims = Dims.of(args, kwargs)
+    if dims.seq is None:
+        raise ValueError(
+            "max_seq needs a sequence dimension: dim 1 of the first input, with an integer "
+            "dtype (token ids)"
+        )
+    if dims.seq > max_seq:
+        raise ValueError(f"the example's length {dims.seq} is past max_seq={max_seq}")
+    a, kw = inputs_at(args, kwargs, dims, dims.batch, max_seq)
+    return a, dict(kw)
 
 
 def _plan(
