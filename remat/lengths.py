@@ -11,6 +11,7 @@ at that shape) and runs the bucket's plan: no solve.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,20 @@ def bucket_tops(max_seq: int | None, buckets: Sequence[int], example_seq: int) -
     return tops
 
 
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return _TensorMeta(tuple(x.shape), x.dtype, x.device, x.requires_grad)
+    return x
+
+
 class LengthPlans:
     """The plans of one :class:`remat.RematModule` over a range of lengths, by bucket, and
     what each new length cost (:attr:`events`)."""
@@ -104,7 +119,9 @@ class LengthPlans:
         self.static = static
         self._solve = solve
         self.step_budget = step_budget
-        self._example = pytree.tree_flatten((tuple(example[0]), dict(example[1])))
+        leaves, spec = pytree.tree_flatten((tuple(example[0]), dict(example[1])))
+        # What the example was, not the tensors themselves (the module must not hold them).
+        self._example = ([_meta(x) for x in leaves], spec)
         self.training = training
         self.fit_seconds = fit_seconds
         """Seconds the fit's captures took (paid once, in ``remat.optimize``)."""
@@ -135,15 +152,10 @@ class LengthPlans:
         if not self.buckets[0].lo <= s <= self.max_seq:
             return None
         for got, ex in zip(leaves, ex_leaves, strict=True):
-            if isinstance(ex, torch.Tensor):
-                if not isinstance(got, torch.Tensor):
-                    return None
-                same = (got.dtype, got.device, got.requires_grad) == (
-                    ex.dtype,
-                    ex.device,
-                    ex.requires_grad,
-                )
-                if not same or tuple(got.shape) != shape_at(self.dims, ex.shape, self.batch, s):
+            if isinstance(ex, _TensorMeta):
+                if not isinstance(got, torch.Tensor) or _meta(got) != dataclasses.replace(
+                    ex, shape=shape_at(self.dims, ex.shape, self.batch, s)
+                ):
                     return None
             elif isinstance(got, torch.Tensor) or got != ex:
                 return None
