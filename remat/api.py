@@ -22,7 +22,7 @@ from remat.budget import (
     device_budget,
     static_memory,
 )
-from remat.graph.dynamic import Dims, capture_dynamic, same_graph
+from remat.graph.dynamic import capture_dynamic, same_graph, sequence_dims
 from remat.graph.profiles import DeviceProfile, auto_profile_name
 from remat.lengths import LengthPlans, PlanningEvent, bucket_tops
 from remat.pipeline import Analysis, BudgetError, analyze, choose_plan
@@ -212,13 +212,8 @@ def _length_plans(
 ) -> LengthPlans:
     """The fit over lengths at the example's batch (:func:`remat.graph.dynamic.capture_dynamic`)
     and a plan per bucket, each solved at its longest length."""
-    dims = Dims.of(args, kwargs)
-    if dims.seq is None:
-        raise ValueError(
-            "max_seq needs a sequence dimension: dim 1 of the first input, with an integer "
-            "dtype (token ids)"
-        )
-    tops = bucket_tops(max_seq, seq_buckets, dims.seq)
+    tops = bucket_tops(max_seq, seq_buckets)
+    dims = sequence_dims(args, kwargs, tops[-1])
     t0 = time.perf_counter()
     try:
         dynamic = capture_dynamic(

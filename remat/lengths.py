@@ -60,7 +60,7 @@ class Bucket:
     """Seconds the solve took."""
 
 
-def bucket_tops(max_seq: int | None, buckets: Sequence[int], example_seq: int) -> list[int]:
+def bucket_tops(max_seq: int | None, buckets: Sequence[int]) -> list[int]:
     """The buckets' longest lengths, ascending, the last ``max_seq`` (default: the largest
     bucket)."""
     tops = sorted({int(t) for t in buckets} | ({max_seq} if max_seq is not None else set()))
@@ -70,11 +70,6 @@ def bucket_tops(max_seq: int | None, buckets: Sequence[int], example_seq: int) -
         raise ValueError(f"seq_buckets {tops} reach past max_seq={max_seq}")
     if tops[0] < 3:
         raise ValueError(f"the shortest bucket must reach at least 3 tokens, got {tops[0]}")
-    if example_seq > tops[-1]:
-        raise ValueError(
-            f"the example's length {example_seq} is past max_seq={tops[-1]}: give an example "
-            "at or below the longest length"
-        )
     return tops
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "capture_dynamic",
     "inputs_at",
     "same_graph",
+    "sequence_dims",
     "shape_at",
 ]
 
@@ -71,6 +72,23 @@ class Dims:
         if has_seq and first.dim() < 2:
             raise ValueError("the first input has no sequence dimension (dim 1)")
         return Dims(int(first.shape[0]), int(first.shape[1]) if has_seq else None)
+
+
+def sequence_dims(args: tuple[Any, ...], kwargs: Mapping[str, Any], max_seq: int) -> Dims:
+    """:meth:`Dims.of` for inputs whose length varies up to ``max_seq``: refused without a
+    sequence dimension, or with an example longer than ``max_seq``."""
+    dims = Dims.of(args, kwargs)
+    if dims.seq is None:
+        raise ValueError(
+            "max_seq needs a sequence dimension: dim 1 of the first input, with an integer "
+            "dtype (token ids)"
+        )
+    if dims.seq > max_seq:
+        raise ValueError(
+            f"the example's length {dims.seq} is past max_seq={max_seq}: give an example at "
+            "or below the longest length"
+        )
+    return dims
 
 
 def _resize(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:

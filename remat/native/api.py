@@ -21,7 +21,7 @@ from torch import nn
 from remat._torch_compat import is_fake
 from remat.api import _as_args, resolve_budget, resolve_profile
 from remat.budget import DEFAULT_RESERVE, DeviceBudgetError, Options
-from remat.graph.dynamic import Dims, inputs_at
+from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
 from remat.native.regions import BlockError, Policy
@@ -195,14 +195,7 @@ def _at_longest(
     args: tuple[Any, ...], kwargs: Mapping[str, Any], max_seq: int
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example inputs tiled to ``max_seq`` along their sequence dimension."""
-    dims = Dims.of(args, kwargs)
-    if dims.seq is None:
-        raise ValueError(
-            "max_seq needs a sequence dimension: dim 1 of the first input, with an integer "
-            "dtype (token ids)"
-        )
-    if dims.seq > max_seq:
-        raise ValueError(f"the example's length {dims.seq} is past max_seq={max_seq}")
+    dims = sequence_dims(args, kwargs, max_seq)
     a, kw = inputs_at(args, kwargs, dims, dims.batch, max_seq)
     return a, dict(kw)
 
