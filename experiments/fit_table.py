@@ -84,22 +84,19 @@ def layer_terms(h: int, a: int, s: int) -> dict[str, object]:
     }
 
 
-def main() -> None:
-    RESULTS.mkdir(exist_ok=True)
-    rows = fit_rows(2048) + fit_rows(8192)
-    with (RESULTS / "fit_table.csv").open("w", newline="") as f:
+def write(name: str, rows: list[dict[str, object]]) -> None:
+    with (RESULTS / name).open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     for r in rows:
         print(r)
-    layers = [layer_terms(h, a, s) for h, a, s in LAYER_CONFIGS]
-    with (RESULTS / "fit_layer.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(layers[0]))
-        w.writeheader()
-        w.writerows(layers)
-    for r in layers:
-        print(r)
+
+
+def main() -> None:
+    RESULTS.mkdir(exist_ok=True)
+    write("fit_table.csv", fit_rows(2048) + fit_rows(8192))
+    write("fit_layer.csv", [layer_terms(h, a, s) for h, a, s in LAYER_CONFIGS])
 
 
 if __name__ == "__main__":
