@@ -156,7 +156,20 @@ class _Planner:
             except ValueError:
                 pass
             self.by_range.append((r, [self._candidate(r, n, p) for n, p in plans.items()]))
-        self._times: dict[tuple[int, int | None], dict[str, float]] = {}
+        self._times: dict[tuple[int, int | None], Any] = {}
+        # Each candidate's step and recompute as indices into its range's timed ops: a fit
+        # search sums them at dozens of shapes, over tens of thousands of ops at 70B.
+        self._order = {id(r): list(r.moved) for r, _ in self.by_range}
+        self._index: dict[tuple[int, str], tuple[Any, Any]] = {}
+        for r, candidates in self.by_range:
+            at = {n: k for k, n in enumerate(self._order[id(r)])}
+            for c in candidates:
+                step = [at[n] for n in (*c.forward, *c.backward) if n in at]
+                rec = [at[n] for n in c.recomputed if n in at]
+                self._index[(id(r), c.name)] = (
+                    torch.tensor(step, dtype=torch.long),
+                    torch.tensor(rec, dtype=torch.long),
+                )
 
     @staticmethod
     def _candidate(r: ShapeRange, name: str, plan: Plan) -> Candidate:
@@ -178,12 +191,19 @@ class _Planner:
         r, candidates = next((x for x in self.by_range if x[0].contains(b, s)), (None, []))
         if r is None:
             return []
-        if (b, s) not in self._times:
-            self._times = {(b, s): r.times_at(b, s)}  # searches move on: keep the last
+        if (b, s) not in self._times:  # searches move on: keep the last shape's
+            times = r.times_at(b, s)
+            self._times = {
+                (b, s): torch.tensor([times[n] for n in self._order[id(r)]], dtype=torch.float64)
+            }
         times = self._times[(b, s)]
-        return [
-            (c, Choice(c.name, c.peak.peak(b, s)[0], c.recompute_pct(times))) for c in candidates
-        ]
+        out = []
+        for c in candidates:
+            step, rec = self._index[(id(r), c.name)]
+            total = float(times[step].sum())
+            pct = 100 * float(times[rec].sum()) / total if total else 0.0
+            out.append((c, Choice(c.name, c.peak.peak(b, s)[0], pct)))
+        return out
 
     def choose(self, plan: str, b: int, s: int | None) -> Choice | None:
         """The saved set ``plan`` (a row's name) takes at ``(b, s)``."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 from math import comb, lcm
 from typing import Any
 
@@ -69,12 +70,20 @@ class Poly:
     def __call__(self, b: int, s: int) -> Fraction:
         return sum((c * b**i * s**j for (i, j), c in self.terms), Fraction(0))
 
+    @cached_property
+    def _integers(self) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+        """``(d, ((i, j, n), ...))`` with ``self == sum(n * b**i * s**j) / d``: evaluating in
+        integers is ~10x faster than in Fractions, and fit searches evaluate millions."""
+        d = lcm(*(c.denominator for _, c in self.terms)) if self.terms else 1
+        return d, tuple((i, j, int(c * d)) for (i, j), c in self.terms)
+
     def at(self, b: int, s: int) -> int:
         """The value at an integer shape, which must be an integer (bytes, FLOPs)."""
-        v = self(b, s)
-        if v.denominator != 1:
+        d, terms = self._integers
+        v = sum(n * b**i * s**j for i, j, n in terms)
+        if v % d:
             raise ValueError(f"{self} is not an integer at b={b}, s={s}")
-        return int(v)
+        return v // d
 
     def coefficient(self, m: Monomial) -> Fraction:
         return dict(self.terms).get(m, Fraction(0))
