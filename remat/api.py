@@ -22,7 +22,7 @@ from remat.budget import (
     device_budget,
     static_memory,
 )
-from remat.graph.dynamic import capture_dynamic, same_graph, sequence_dims
+from remat.graph.dynamic import capture_dynamic, sequence_dims
 from remat.graph.profiles import DeviceProfile, auto_profile_name
 from remat.lengths import LengthPlans, PlanningEvent, bucket_tops
 from remat.pipeline import Analysis, BudgetError, analyze, choose_plan
@@ -175,9 +175,9 @@ def optimize(
         t_solve = time.perf_counter()
         s = lengths.length_of(a, kw) if lengths is not None else None
         if lengths is not None and s is not None and src.training == lengths.training:
-            if same_graph(analysis.problem, lengths.range.template):
-                chosen = lengths.plan_at(analysis.problem, s)
-                done = compiled(analysis, chosen, time.perf_counter() - t_solve)
+            fitted = lengths.plan_at(analysis.problem, s)
+            if fitted is not None:
+                done = compiled(analysis, fitted, time.perf_counter() - t_solve)
                 bucket = lengths.bucket_of(s)
                 lengths.record(PlanningEvent(s, bucket.hi, time.perf_counter() - t0))
                 return done

@@ -194,16 +194,14 @@ class LengthPlans:
         bucket.solve_s = time.perf_counter() - t0
         return plan
 
-    def plan_at(self, problem: Problem, s: int) -> Plan:
+    def plan_at(self, problem: Problem, s: int) -> Plan | None:
         """The plan for the graph captured at length ``s``: its bucket's saved set, scheduled
-        and simulated on that graph."""
+        and simulated on that graph; None if that graph is not the fitted one (the model
+        branches on the length or on the inputs' values)."""
+        if not same_graph(problem, self.range.template):
+            return None
         bucket = self.bucket_of(s)
         solved = self.solved(bucket)
-        if not same_graph(problem, self.range.template):
-            raise ValueError(
-                f"the graph at length {s} differs from the fitted one (the model branches on "
-                "the length or on the inputs' values)"
-            )
         plan = make_plan(
             problem,
             solved.saved,
