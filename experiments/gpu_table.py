@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 
 import remat
-from remat.api import model_static_memory
 from remat.budget import DEFAULT_RESERVE, Options, device_budget
 from remat.presets import build
+from remat.request import model_static_memory
 from remat.solver.blocks import block_of
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.registry import solve

@@ -9,23 +9,24 @@ print(remat.plan_of(model).summary())              # then fully_shard / DDP, the
 """
 
 from remat._torch_compat import fake_mode
+from remat._version import __version__ as __version__
 from remat.api import optimize
 from remat.budget import DeviceBudgetError, StaticMemoryError
 from remat.formula import MemoryFormula, memory_formula
 from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
-from remat.native.api import apply, plan_of, save_plan, unapply
+from remat.native.api import apply, save_plan, unapply
 from remat.native.regions import BlockError
+from remat.native.state import plan_of
 from remat.native.trace import TraceError
 from remat.pipeline import Analysis, BudgetError, analyze
 from remat.planfile import PlanFileError
 from remat.problem import Problem
 from remat.report import explain
+from remat.request import Request
 from remat.rewrite.module import RematModule
 from remat.solver.plan import Plan
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Analysis",
@@ -40,6 +41,7 @@ __all__ = [
     "PlanFileError",
     "Problem",
     "RematModule",
+    "Request",
     "StaticMemoryError",
     "TraceError",
     "analyze",

@@ -5,43 +5,32 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
+from typing_extensions import Unpack
 
-from remat.budget import (
-    DEFAULT_RESERVE,
-    GB,
-    DeviceBudget,
-    DeviceBudgetError,
-    Options,
-    StaticMemory,
-    device_budget,
-    static_memory,
-)
+from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import capture_dynamic, sequence_dims
-from remat.graph.profiles import DeviceProfile, auto_profile_name
 from remat.lengths import LengthPlans, PlanningEvent, bucket_tops
-from remat.pipeline import Analysis, BudgetError, analyze, choose_plan
+from remat.pipeline import Analysis, analyze, choose_plan
 from remat.problem import Problem
+from remat.request import (
+    Request,
+    RequestArgs,
+    as_args,
+    device_errors,
+    model_static_memory,
+    request_of,
+    resolve_profile,
+)
 from remat.rewrite.executor import build_executor
 from remat.rewrite.module import Compiled, RematModule, signature
-from remat.solver.config import SolverConfig
 from remat.solver.formula import FitError
 from remat.solver.plan import Plan
 
-
-def _as_args(example_inputs: Any) -> tuple[Any, ...]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise ValueError(
-        f"example_inputs must be a tensor or a tuple of tensors, got {type(example_inputs).__name__}"
-    )
+__all__ = ["optimize"]
 
 
 def optimize(
@@ -49,22 +38,8 @@ def optimize(
     example_inputs: Any,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
-    budget_gb: float | None = None,
-    budget_bytes: int | None = None,
-    optimizer: str = "adamw",
-    precision: str = "fp32",
-    zero_stage: int = 0,
-    world_size: int = 1,
-    reserve_fraction: float = DEFAULT_RESERVE,
-    activation_budget_bytes: int | None = None,
-    plan: str | Path | Plan | None = None,
-    solver: str | None = None,
-    device_profile: str | DeviceProfile = "auto",
-    time_limit_s: float = 60.0,
-    block_types: tuple[str, ...] = (),
-    max_seq: int | None = None,
-    seq_buckets: Sequence[int] = (),
-    progress: Callable[[str], None] | None = None,
+    request: Request | None = None,
+    **flat: Unpack[RequestArgs],
 ) -> RematModule:
     """Plan which activations ``model`` keeps for its backward and return a module that trains
     exactly like it (same outputs and gradients) within the memory budget.
@@ -75,6 +50,8 @@ def optimize(
         example_inputs: a tensor or tuple of tensors, with the shapes training will use.
         example_kwargs: keyword arguments of the forward (tensors or constants such as
             ``use_cache=False``; ``use_cache`` defaults to False when the forward accepts it).
+        request: the whole request as one :class:`remat.Request`; or, as sugar, its fields as
+            the flat keyword arguments below (not both).
         budget_gb, budget_bytes: the whole device's memory (1 GB = 1e9 bytes). remat subtracts
             what lives across steps (parameters, optimizer state, gradient shards under ZeRO
             2-3; see :mod:`remat.budget` for the convention) and a reserve, and plans the step
@@ -117,47 +94,57 @@ def optimize(
     The model may be built under ``remat.fake_mode()`` to plan shapes larger than this
     machine: the returned module then carries a plan but cannot run.
     """
-    args = _as_args(example_inputs)
-    kwargs = dict(example_kwargs or {})
-    config = SolverConfig(
-        time_limit_s=time_limit_s, block_types=tuple(block_types), progress=progress
-    )
-    options = Options(
-        optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
-    )
-    device, step_budget = resolve_budget(
-        model, budget_gb, budget_bytes, options, reserve_fraction, activation_budget_bytes
-    )
-    device_profile = resolve_profile(model, device_profile)
+    req = request_of(request, flat)
+    if req.training.precision not in AUTOCAST:
+        raise ValueError(
+            f"unknown precision {req.training.precision!r}; valid: {', '.join(AUTOCAST)}"
+        )
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    planner = _GraphPlanner(model, req)
+    if req.max_seq is not None or req.seq_buckets:
+        planner.lengths = _length_plans(model, args, kwargs, planner, req)
+    first_compiled = planner(model, args, kwargs)
+    return RematModule(model, first_compiled, signature(args, kwargs), planner, planner.lengths)
 
-    def analysis_of(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Analysis:
+
+class _GraphPlanner:
+    """The whole-graph executor's end of the pipeline: capture and solve (or re-use a length
+    plan) for one set of inputs, and build the executor. ``RematModule`` calls it again for
+    inputs of another signature."""
+
+    def __init__(self, model: nn.Module, request: Request) -> None:
+        self.request = request
+        self.device = request.device(model)
+        self.step_budget = request.step_budget(self.device)
+        self.profile = resolve_profile(model, request.device_profile)
+        self.config = request.solver_config()
+        self.lengths: LengthPlans | None = None
+
+    def analysis(self, src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Analysis:
+        options = self.request.training
         return analyze(
             src,
             a,
             kw,
-            device_profile=device_profile,
-            precision=precision,
+            device_profile=self.profile,
+            precision=options.precision,
             grads_held=not options.grads_released,
         )
 
-    def solved(problem: Problem) -> Plan:
-        try:
-            chosen = choose_plan(
+    def solved(self, problem: Problem) -> Plan:
+        req = self.request
+        with device_errors(self.device):
+            return choose_plan(
                 problem,
-                plan=plan,
-                solver=solver,
-                activation_budget_bytes=step_budget,
-                config=config,
+                plan=req.plan,
+                solver=req.solver,
+                activation_budget_bytes=self.step_budget,
+                config=self.config,
             )
-        except BudgetError as e:
-            if device is None:
-                raise
-            raise DeviceBudgetError(device, e) from None
-        return chosen
 
-    def compiled(analysis: Analysis, chosen: Plan, solve_s: float) -> Compiled:
-        if device is not None:
-            chosen = dataclasses.replace(chosen, device_memory=device.breakdown(chosen))
+    def compiled(self, analysis: Analysis, chosen: Plan, solve_s: float) -> Compiled:
+        if self.device is not None:
+            chosen = dataclasses.replace(chosen, device_memory=self.device.breakdown(chosen))
         t_rewrite = time.perf_counter()
         executor = build_executor(analysis.joint, analysis.problem, chosen)
         timings = {
@@ -167,17 +154,16 @@ def optimize(
         }
         return Compiled(analysis.captured, executor, analysis.problem, timings)
 
-    lengths: LengthPlans | None = None
-
-    def planner(src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Compiled:
+    def __call__(self, src: nn.Module, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Compiled:
         t0 = time.perf_counter()
-        analysis = analysis_of(src, a, kw)
+        analysis = self.analysis(src, a, kw)
         t_solve = time.perf_counter()
+        lengths = self.lengths
         s = lengths.length_of(a, kw) if lengths is not None else None
         if lengths is not None and s is not None and src.training == lengths.training:
             fitted = lengths.plan_at(analysis.problem, s)
             if fitted is not None:
-                done = compiled(analysis, fitted, time.perf_counter() - t_solve)
+                done = self.compiled(analysis, fitted, time.perf_counter() - t_solve)
                 bucket = lengths.bucket_of(s)
                 lengths.record(PlanningEvent(s, bucket.hi, time.perf_counter() - t0))
                 return done
@@ -186,38 +172,26 @@ def optimize(
                 "model branches on these inputs); solving a plan for it alone",
                 stacklevel=4,
             )
-        chosen = solved(analysis.problem)
-        return compiled(analysis, chosen, time.perf_counter() - t_solve)
-
-    if max_seq is not None or seq_buckets:
-        lengths = _length_plans(
-            model, args, kwargs, analysis_of, solved, step_budget, options, max_seq, seq_buckets,
-            progress,
-        )  # fmt: skip
-    first_compiled = planner(model, args, kwargs)
-    return RematModule(model, first_compiled, signature(args, kwargs), planner, lengths)
+        chosen = self.solved(analysis.problem)
+        return self.compiled(analysis, chosen, time.perf_counter() - t_solve)
 
 
 def _length_plans(
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
-    analysis_of: Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], Analysis],
-    solved: Callable[[Problem], Plan],
-    step_budget: int | None,
-    options: Options,
-    max_seq: int | None,
-    seq_buckets: Sequence[int],
-    progress: Callable[[str], None] | None,
+    planner: _GraphPlanner,
+    req: Request,
 ) -> LengthPlans:
     """The fit over lengths at the example's batch (:func:`remat.graph.dynamic.capture_dynamic`)
     and a plan per bucket, each solved at its longest length."""
-    tops = bucket_tops(max_seq, seq_buckets)
+    tops = bucket_tops(req.max_seq, req.seq_buckets)
+    progress = req.progress
     dims = sequence_dims(args, kwargs, tops[-1])
     t0 = time.perf_counter()
     try:
         dynamic = capture_dynamic(
-            lambda a, kw: analysis_of(model, a, kw),
+            lambda a, kw: planner.analysis(model, a, kw),
             args,
             kwargs,
             dims,
@@ -233,9 +207,9 @@ def _length_plans(
     plans = LengthPlans(
         dynamic,
         tops,
-        model_static_memory(model, options),
-        solved,
-        step_budget,
+        model_static_memory(model, req.training),
+        planner.solved,
+        planner.step_budget,
         (args, kwargs),
         model.training,
         time.perf_counter() - t0,
@@ -245,61 +219,3 @@ def _length_plans(
             progress(f"solving for lengths {bucket.lo}..{bucket.hi} at length {bucket.hi}")
         plans.solved(bucket)
     return plans
-
-
-_CPU = torch.device("cpu")
-
-
-def resolve_budget(
-    model: nn.Module,
-    budget_gb: float | None,
-    budget_bytes: int | None,
-    options: Options,
-    reserve_fraction: float,
-    activation_budget_bytes: int | None,
-) -> tuple[DeviceBudget | None, int | None]:
-    """The whole-device budget (if one was given) and the bound on the step's peak it leaves,
-    or ``activation_budget_bytes``: what :func:`optimize` and :func:`remat.apply` plan for."""
-    device = _device_budget(model, budget_gb, budget_bytes, options, reserve_fraction)
-    if device is not None and activation_budget_bytes is not None:
-        raise ValueError("pass a device budget (budget_gb/budget_bytes) or activation_budget_bytes")
-    return device, device.step_budget_bytes if device is not None else activation_budget_bytes
-
-
-def resolve_profile(model: nn.Module, device_profile: str | DeviceProfile) -> str | DeviceProfile:
-    """``auto``: the profile of the device the model's parameters are on."""
-    if isinstance(device_profile, str) and device_profile == "auto":
-        first = next(iter(model.parameters()), None)
-        return auto_profile_name(first.device if first is not None else _CPU)
-    return device_profile
-
-
-def _device_budget(
-    model: nn.Module,
-    budget_gb: float | None,
-    budget_bytes: int | None,
-    options: Options,
-    reserve_fraction: float,
-) -> DeviceBudget | None:
-    if budget_gb is not None and budget_bytes is not None:
-        raise ValueError("pass budget_gb or budget_bytes, not both")
-    if budget_gb is not None:
-        budget_bytes = int(budget_gb * GB)
-    if budget_bytes is None:
-        return None
-    return device_budget(
-        budget_bytes, model_static_memory(model, options), options, reserve_fraction
-    )
-
-
-def model_static_memory(model: nn.Module, options: Options) -> StaticMemory:
-    """:func:`remat.budget.static_memory` of ``model``'s parameters as it holds them."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    return static_memory(
-        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
-        frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
-        trainable=sum(p.numel() for p in trainable),
-        frozen=sum(p.numel() for p in frozen),
-        options=options,
-    )

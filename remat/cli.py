@@ -3,6 +3,10 @@
 ``remat plan MODEL --budget-gb N`` plans a preset (``remat plan --list``), any transformers
 architecture (``hf:llama --set hidden_size=4096``) or a factory, under FakeTensorMode, and
 prints the memory breakdown and the plan by module; ``--save`` writes the plan file.
+``--executor sac`` plans :func:`remat.apply`'s executor (PyTorch's selective checkpointing on
+the model's blocks, what FSDP2, DDP and compile run): its plan file is what
+``remat.apply(model, inputs, plan="plan.json")`` takes on every rank, and ``--zero-stage 3
+--world-size N`` then means FSDP2 over N ranks.
 
 ``remat demo`` plans the built-in GPT-style model with the fixed plans, the baselines and the
 exact MILP (at the peak of every-block checkpointing), runs real CPU training steps for each
@@ -20,7 +24,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +33,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from remat.api import model_static_memory, optimize
+from remat.api import optimize
 from remat.budget import (
     DEFAULT_RESERVE,
     GB,
@@ -40,11 +44,17 @@ from remat.budget import (
 from remat.fit import FitReport, fit
 from remat.graph.profiles import PROFILE_NAMES
 from remat.models import TinyGPT
+from remat.native.api import apply, save_plan
+from remat.native.regions import BlockError
+from remat.native.report import explain_applied
+from remat.native.state import applied
+from remat.native.trace import TraceError
 from remat.pipeline import analyze
 from remat.plots import fit_plot, pareto_plot, timeline_plot
 from remat.presets import PRESETS, build, parse_settings
 from remat.problem import Problem
 from remat.report import explain_plan
+from remat.request import Request, model_static_memory
 from remat.rewrite.module import RematModule
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
@@ -229,35 +239,66 @@ def plan_command(args: argparse.Namespace) -> int:
         f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}, profile {args.device}, "
         f"budget {args.budget_gb} GB per device"
     )
+    executor = executor_of(args)
+    console.print(f"executor: {EXECUTORS[executor]}")
     progress = console.status("planning...")
     with progress:
         try:
-            fast = optimize(
-                built.model,
-                built.args,
-                example_kwargs=built.kwargs,
-                budget_gb=args.budget_gb,
-                optimizer=args.optimizer,
-                precision=args.precision,
-                zero_stage=args.zero_stage,
-                world_size=args.world_size,
-                reserve_fraction=args.reserve,
-                solver=args.solver,
-                device_profile=args.device,
-                time_limit_s=args.time_limit,
-                progress=lambda msg: progress.update(f"planning: {msg}"),
-            )
-        except (BudgetError, StaticMemoryError) as e:
+            req = _request(args, lambda msg: progress.update(f"planning: {msg}"))
+            if executor == "sac":
+                model = apply(built.model, built.args, example_kwargs=built.kwargs, request=req)
+                timings = applied(model).timings
+            else:
+                fast = optimize(built.model, built.args, example_kwargs=built.kwargs, request=req)
+                timings = fast._first.timings
+        except (BudgetError, StaticMemoryError, BlockError, TraceError) as e:
             console.print(f"[red]remat plan: {e}")
             return 1
     wall = time.perf_counter() - t0
-    console.print(explain_plan(fast.plan, fast._first.problem, width=console.width), end="")
+    if executor == "sac":
+        console.print(explain_applied(applied(model), width=console.width), end="")
+    else:
+        console.print(explain_plan(fast.plan, fast._first.problem, width=console.width), end="")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    stages = ", ".join(f"{k} {v:.1f} s" for k, v in fast._first.timings.items())
+    stages = ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
     console.print(f"wall time {wall:.1f} s ({stages}), max RSS {rss:.2f} GiB")
     if args.save:
-        console.print(f"plan written to {fast.save_plan(args.save)}")
+        saved = save_plan(model, args.save) if executor == "sac" else fast.save_plan(args.save)
+        console.print(f"plan written to {saved}")
     return 0
+
+
+EXECUTORS = {
+    "graph": "remat's whole-graph executor (remat.optimize): one module, no distributed engine",
+    "sac": "PyTorch's selective checkpointing on the model's blocks (remat.apply): runs under "
+    "FSDP2, DDP, torch.compile, the Trainer",
+}
+"""``--executor`` values (``auto``: :func:`executor_of`)."""
+
+
+def executor_of(args: argparse.Namespace) -> str:
+    """``--executor auto``: ``sac`` where the run is sharded or replicated (ZeRO-3 over several
+    ranks is FSDP2, data parallel is DDP: engines only the ``sac`` executor runs under),
+    ``graph`` on one device."""
+    if args.executor != "auto":
+        return str(args.executor)
+    return "sac" if args.world_size > 1 else "graph"
+
+
+def _request(args: argparse.Namespace, progress: Callable[[str], None]) -> Request:
+    return Request.of(
+        budget_gb=args.budget_gb,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        zero_stage=args.zero_stage,
+        world_size=args.world_size,
+        reserve_fraction=args.reserve,
+        solver=getattr(args, "solver", None),
+        device_profile=args.device,
+        time_limit_s=args.time_limit,
+        max_seq=getattr(args, "max_seq", None),
+        progress=progress,
+    )
 
 
 def compare_command(args: argparse.Namespace) -> int:
@@ -403,18 +444,9 @@ def fit_command(args: argparse.Namespace) -> int:
             report = fit(
                 built.model,
                 built.args,
-                built.kwargs,
-                budget_gb=args.budget_gb,
-                optimizer=args.optimizer,
-                precision=args.precision,
-                zero_stage=args.zero_stage,
-                world_size=args.world_size,
-                reserve_fraction=args.reserve,
-                device_profile=args.device,
-                max_seq=args.max_seq,
+                example_kwargs=built.kwargs,
+                request=_request(args, lambda msg: status.update(msg)),
                 shallow=shallow,
-                time_limit_s=args.time_limit,
-                progress=lambda msg: status.update(msg),
             )
         except (StaticMemoryError, ValueError) as e:
             err.print(f"[red]remat fit: {escape(str(e))}")
@@ -481,6 +513,14 @@ def _gb_text(n: float) -> str:
     return f"{n / GB:.2f} GB"
 
 
+def _executor_name(name: str) -> str:
+    if name not in ("auto", *EXECUTORS):
+        raise argparse.ArgumentTypeError(
+            f"unknown executor {name!r}; valid: auto, {', '.join(EXECUTORS)}"
+        )
+    return name
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1)
@@ -526,6 +566,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget-gb", type=float, default=80.0, help="device memory (1 GB = 1e9 B)")
     _model_options(p)
     p.add_argument("--solver", default=None, help="default: auto")
+    p.add_argument(
+        "--executor",
+        type=_executor_name,
+        default="auto",
+        help="graph (remat.optimize), sac (remat.apply: FSDP2, DDP, compile) or auto (the "
+        "default: sac with --world-size above 1, graph on one device)",
+    )
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
     p.set_defaults(func=plan_command)
     c = sub.add_parser(

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from typing_extensions import Unpack
 
 from remat import _torch_compat as tc
-from remat.api import _as_args, model_static_memory, resolve_profile
-from remat.budget import DEFAULT_RESERVE, GB, DeviceBudget, Options, device_budget
+from remat.budget import DeviceBudget
 from remat.formula import MemoryFormula, RangeFormula, analyze_dynamic, formula_of
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic_deep
-from remat.graph.profiles import DeviceProfile
 from remat.pipeline import analyze
+from remat.request import Request, RequestArgs, as_args, request_of, resolve_profile
 from remat.solver.chain import chain_menu
 from remat.solver.config import SolverConfig
 from remat.solver.formula import peak_candidates, step_polynomials
@@ -299,50 +299,43 @@ def fit_dynamic(
 def fit(
     model: nn.Module,
     example_inputs: Any,
-    example_kwargs: Mapping[str, Any] | None = None,
     *,
-    budget_gb: float | None = None,
-    budget_bytes: int | None = None,
-    optimizer: str = "adamw",
-    precision: str = "fp32",
-    zero_stage: int = 0,
-    world_size: int = 1,
-    reserve_fraction: float = DEFAULT_RESERVE,
-    device_profile: str | DeviceProfile = "auto",
-    max_seq: int | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    request: Request | None = None,
     max_batch: int = 1 << 16,
     shallow: tuple[nn.Module, int, int] | None = None,
-    time_limit_s: float = 10.0,
-    progress: Callable[[str], None] | None = None,
+    **flat: Unpack[RequestArgs],
 ) -> FitReport:
     """For each plan, the longest sequence at the example's batch and the largest batch at
     its length that fit the device budget (see the module docstring).
 
-    ``max_seq``: the longest length searched (default: the model's
+    The request (:class:`remat.Request`, or its fields as flat keyword arguments) needs a
+    device budget; its ``time_limit_s`` (10 s by default here) is the chain solver's time for
+    its per-block menus. ``max_seq``: the longest length searched (default: the model's
     ``config.max_position_embeddings`` or ``n_positions``, else 8x the example's).
     ``shallow``: ``(copy with fewer layers, its layers, the model's layers)`` of a deep stack,
     to fit on the copy (:func:`remat.graph.dynamic.capture_dynamic_deep`).
-    ``time_limit_s``: the chain solver's time for its per-block menus.
     """
-    if (budget_gb is None) == (budget_bytes is None):
+    if request is None:
+        flat.setdefault("time_limit_s", 10.0)
+    req = request_of(request, flat)
+    budget = req.device(model)
+    if budget is None:
         raise ValueError("pass budget_gb or budget_bytes")
-    total = int(budget_gb * GB) if budget_gb is not None else int(budget_bytes or 0)
-    options = Options(
-        optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
-    )
-    budget = device_budget(total, model_static_memory(model, options), options, reserve_fraction)
-    args = _as_args(example_inputs)
+    options, progress, max_seq = req.training, req.progress, req.max_seq
+    precision = options.precision
+    args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     dims = Dims.of(args, kwargs)
     if max_seq is None and dims.seq is not None:
         cfg = getattr(model, "config", None)
         max_seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         max_seq = int(max_seq) if max_seq else 8 * dims.seq
-    profile = resolve_profile(model, device_profile)
+    profile = resolve_profile(model, req.device_profile)
     grads_held = not options.grads_released
     if shallow is None:
         dynamic = analyze_dynamic(
-            model, args, kwargs, precision=precision, grads_held=grads_held,
+            model, args, example_kwargs=kwargs, precision=precision, grads_held=grads_held,
             device_profile=profile, max_seq=max_seq, progress=progress,
         )  # fmt: skip
     else:
@@ -371,7 +364,7 @@ def fit(
         seq=dims.seq,
         seq_limit=max_seq,
         batch_limit=max_batch,
-        config=SolverConfig(time_limit_s=time_limit_s),
+        config=SolverConfig(time_limit_s=req.time_limit_s),
         progress=progress,
     )
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from torch import nn
 
-from remat.api import _as_args, model_static_memory, resolve_profile
 from remat.budget import Options, StaticMemory
 from remat.graph.dynamic import (
     Dims,
@@ -32,6 +31,7 @@ from remat.graph.dynamic import (
 )
 from remat.graph.profiles import DeviceProfile
 from remat.pipeline import analyze
+from remat.request import as_args, model_static_memory, resolve_profile
 from remat.solver.formula import Poly, peak_candidates, step_polynomials
 from remat.solver.plan import Plan, make_plan
 from remat.solver.registry import solve
@@ -153,8 +153,8 @@ class MemoryFormula:
 def analyze_dynamic(
     model: nn.Module,
     example_inputs: Any,
-    example_kwargs: Mapping[str, Any] | None = None,
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     precision: str = "fp32",
     grads_held: bool = True,
     device_profile: str | DeviceProfile = "auto",
@@ -165,7 +165,7 @@ def analyze_dynamic(
     """The model's step at every shape: captured at the fit's shapes around the example's
     (:func:`remat.graph.dynamic.capture_dynamic`). ``seq``: whether dim 1 of the first input
     is a sequence (default: when it holds integers, as token ids do)."""
-    args = _as_args(example_inputs)
+    args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     profile = resolve_profile(model, device_profile)
     dims = Dims.of(args, kwargs, seq)
@@ -224,8 +224,8 @@ def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) 
 def memory_formula(
     model: nn.Module,
     example_inputs: Any,
-    example_kwargs: Mapping[str, Any] | None = None,
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     plan: str | Plan = "keep_all",
     precision: str = "fp32",
     optimizer: str = "adamw",
@@ -249,7 +249,7 @@ def memory_formula(
     dynamic = analyze_dynamic(
         model,
         example_inputs,
-        example_kwargs,
+        example_kwargs=example_kwargs,
         precision=precision,
         grads_held=not options.grads_released,
         device_profile=device_profile,

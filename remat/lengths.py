@@ -15,19 +15,17 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from remat.budget import StaticMemory
+from remat.formula import MemoryFormula, formula_of
 from remat.graph.dynamic import Dims, DynamicProblem, same_graph, shape_at
 from remat.problem import Problem
 from remat.solver.config import BudgetError
 from remat.solver.plan import Plan, make_plan
-
-if TYPE_CHECKING:
-    from remat.formula import MemoryFormula
 
 __all__ = ["Bucket", "LengthPlans", "PlanningEvent", "bucket_tops"]
 
@@ -168,8 +166,6 @@ class LengthPlans:
     def solved(self, bucket: Bucket) -> Plan:
         """The bucket's plan, solved at its longest length on the fitted problem the first
         time, and checked over the whole bucket with its formula."""
-        from remat.formula import formula_of  # remat.formula imports remat.api, which imports this
-
         if bucket.plan is not None:
             return bucket.plan
         t0 = time.perf_counter()

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from remat import _torch_compat as tc
-from remat.graph.autocast import policy_of
+from remat.graph.autocast import AUTOCAST, policy_of
 from remat.graph.capture import Captured, capture
 from remat.graph.joint import JointGraph, build_joint
 from remat.graph.problem import build_problem
@@ -27,12 +26,6 @@ from remat.solver.plan import Plan, make_plan
 from remat.solver.registry import solve
 
 __all__ = ["Analysis", "BudgetError", "analyze", "choose_plan", "fixed_plan"]
-
-AUTOCAST: Mapping[str, torch.dtype | None] = {
-    "fp32": None,
-    "bf16-mixed": torch.bfloat16,
-    "fp16-mixed": torch.float16,
-}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from remat._version import __version__
 from remat.problem import Problem
 from remat.solver.plan import Plan, make_plan
 
@@ -78,15 +81,11 @@ def plan_document(plan: Plan, problem: Problem) -> dict[str, Any]:
 def document(plan: Plan, fingerprint: str, graph: Mapping[str, Any]) -> dict[str, Any]:
     """A plan file's JSON: ``fingerprint`` identifies what it was solved for, ``graph``
     describes it (``executor``: ``native-sac`` for :func:`remat.apply`'s plans)."""
-    import torch
-
-    import remat
-
     sim = plan.simulation
     return {
         "format": FORMAT,
         "version": VERSION,
-        "remat_version": remat.__version__,
+        "remat_version": __version__,
         "torch_version": torch.__version__,
         "fingerprint": fingerprint,
         "graph": dict(graph),
@@ -149,8 +148,6 @@ def read_plan(path: str | Path) -> PlanFile:
 
 def plan_from_file(path: str | Path, problem: Problem) -> Plan:
     """The file's plan for ``problem``, after checking it was solved for this very graph."""
-    import torch
-
     f = read_plan(path)
     if f.record.get("graph", {}).get("executor") == NATIVE:
         raise PlanFileError(

@@ -12,12 +12,14 @@ from __future__ import annotations
 import io
 import re
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rich.console import Console
 from rich.table import Table
 
 from remat.budget import format_bytes as _bytes
+from remat.native.report import explain_applied
+from remat.native.state import applied
 from remat.problem import Problem, Role
 from remat.solver.fixed import fixed_saved_set
 from remat.solver.plan import Plan, make_plan
@@ -145,17 +147,19 @@ def explain_plan(plan: Plan, problem: Problem, *, width: int = 120) -> str:
     return buf.getvalue()
 
 
+@runtime_checkable
+class Explainable(Protocol):
+    """A module that reports its own plan (:class:`remat.RematModule`)."""
+
+    def explain_text(self, width: int = 120) -> str: ...
+
+
 def explain(module: nn.Module, *, width: int = 120) -> str:
     """Print and return the report of ``module``'s plan (see the module docstring): a
     :class:`RematModule` from :func:`remat.optimize`, or a model :func:`remat.apply` wrapped."""
-    from remat.rewrite.module import RematModule
-
-    if isinstance(module, RematModule):
-        text = explain_plan(module.plan, module._first.problem, width=width)
+    if isinstance(module, Explainable):
+        text = module.explain_text(width=width)
     else:
-        from remat.native.api import applied
-        from remat.native.report import explain_applied
-
         text = explain_applied(applied(module), width=width)
     print(text, end="")
     return text

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.api import _as_args, optimize
+from remat.api import optimize
+from remat.graph.autocast import AUTOCAST
 from remat.meter import measure_step
-from remat.native.api import apply, plan_of
-from remat.pipeline import AUTOCAST
+from remat.native.api import apply
+from remat.native.state import plan_of
+from remat.request import as_args as _as_args
 from remat.solver.plan import Plan
 
 

@@ -67,6 +67,44 @@ def test_plan_prints_the_report_and_saves(
     assert "max RSS" in out and path.exists()
 
 
+def test_plan_sac_executor_writes_a_file_apply_takes(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--executor sac`` (and ``auto`` over several ranks) plans remat.apply's executor; its
+    plan file is re-applied by ``remat.apply`` and refused by ``remat.optimize``."""
+    from pathlib import Path
+
+    import remat
+    from remat.presets import build, parse_settings
+
+    path = Path(str(tmp_path)) / "native.json"
+    sharded = ["--zero-stage", "3", "--world-size", "2", "--device", "a100"]
+    code = main(["plan", "gpt2", *SMALL, *sharded, "--budget-gb", "0.12", "--time-limit", "5",
+                 "--save", str(path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "executor: PyTorch's selective checkpointing" in out and "plan by block" in out
+    assert "transformer.h.1" in out and path.exists()
+    written = remat.planfile.read_plan(path)
+    assert written.record["graph"]["executor"] == remat.planfile.NATIVE
+
+    settings = parse_settings(SMALL[1:6:2])
+    built = build("gpt2", seq=64, batch=1, settings=settings)
+    model = remat.apply(built.model, built.args, example_kwargs=built.kwargs, plan=str(path),
+                        zero_stage=3, world_size=2, device_profile="a100")  # fmt: skip
+    assert remat.plan_of(model).saved == written.saved
+    again = build("gpt2", seq=64, batch=1, settings=settings)
+    with pytest.raises(remat.PlanFileError, match=r"load it with remat.apply"):
+        remat.optimize(again.model, again.args, example_kwargs=again.kwargs, plan=str(path))
+
+    assert main(["plan", "gpt2", *SMALL, *sharded, "--executor", "graph", "--budget-gb", "0.12",
+                 "--time-limit", "5"]) == 0  # fmt: skip
+    assert "executor: remat's whole-graph executor" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "gpt2", "--executor", "checkmate"])
+    assert "unknown executor 'checkmate'; valid: auto, graph, sac" in capsys.readouterr().err
+
+
 def test_plan_below_static_memory_explains(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "gpt2", *SMALL, "--budget-gb", "0.001"]) == 1
     out = capsys.readouterr().out
@@ -84,7 +122,7 @@ def test_plan_bad_model_and_settings(capsys: pytest.CaptureFixture[str]) -> None
 def test_plan_llama_7b_zero3_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
     """The issue's command: 6.7B under FakeTensorMode, bf16-mixed, ZeRO-3 over 8 devices."""
     args = ["plan", "llama-7b", "--seq", "4096", "--precision", "bf16-mixed",
-            "--zero-stage", "3", "--world-size", "8"]  # fmt: skip
+            "--zero-stage", "3", "--world-size", "8", "--executor", "graph"]  # fmt: skip
     assert main([*args, "--budget-gb", "24"]) == 0
     out = capsys.readouterr().out
     recomputed = int(out.split(" recomputed (")[0].rsplit(",", 1)[-1].split()[-1])

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from remat.api import model_static_memory
 from remat.budget import Options
 from remat.cli import main
 from remat.fit import FitReport, fit
 from remat.graph.dynamic import Dims, inputs_at
 from remat.pipeline import analyze
+from remat.request import model_static_memory
 from remat.solver.plan import make_plan
 from tests.zoo import llama
 

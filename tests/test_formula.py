@@ -34,7 +34,7 @@ def _fitted(name: str) -> tuple[Any, dict[str, Any]]:
         torch.manual_seed(0)
         model = case.build()
         args = case.inputs()
-        dynamic = analyze_dynamic(model, args, case.kwargs)
+        dynamic = analyze_dynamic(model, args, example_kwargs=case.kwargs)
         static = remat.api.model_static_memory(model, remat.budget.Options())
         _FITTED[name] = (model, {p: formula_of(dynamic, p, static) for p in PLANS})
     return _FITTED[name]

@@ -30,7 +30,14 @@ from torch.overrides import TorchFunctionMode
 
 from remat.graph.profiles import GPU_PROFILES
 
-__all__ = ["CUDA_FLOAT32", "CudaFloat32Ops", "autocast_for", "policy_of"]
+__all__ = ["AUTOCAST", "CUDA_FLOAT32", "CudaFloat32Ops", "autocast_for", "policy_of"]
+
+AUTOCAST: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+}
+"""The ``torch.autocast`` dtype of each precision a step is traced and run in (None: off)."""
 
 CUDA_FLOAT32 = frozenset(
     {

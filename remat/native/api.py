@@ -10,58 +10,42 @@ wraps it as usual. The recipe: ``remat.apply`` first, then ``fully_shard`` (or D
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from typing_extensions import Unpack
 
 from remat._torch_compat import is_fake
-from remat.api import _as_args, resolve_budget, resolve_profile
-from remat.budget import DEFAULT_RESERVE, DeviceBudgetError, Options
+from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
-from remat.native.regions import BlockError, Policy
+from remat.native.regions import BlockError
+from remat.native.state import _STATE, Applied, _find_state, applied
 from remat.native.trace import FakeModel, TraceError
-from remat.pipeline import AUTOCAST
 from remat.planfile import NATIVE, PlanFileError, document, read_plan, write_document
-from remat.solver.config import BudgetError, SolverConfig
+from remat.request import (
+    Request,
+    RequestArgs,
+    as_args,
+    device_errors,
+    request_of,
+    resolve_profile,
+)
+from remat.solver.config import BudgetError
 from remat.solver.plan import Plan
 from remat.solver.registry import FIXED_LIFETIME_SOLVERS
+
+__all__ = ["NATIVE_SOLVERS", "apply", "save_plan", "unapply"]
 
 NATIVE_SOLVERS = tuple(FIXED_LIFETIME_SOLVERS)
 """Solvers ``remat.apply(..., solver=)`` takes besides ``auto``: those that plan for the
 ``sac`` executor (fixed lifetimes)."""
-
-_STATE = "_remat_native"
-
-
-@dataclass(frozen=True)
-class Applied:
-    """What ``remat.apply`` left on a model: its plan and the policy of each block."""
-
-    plan: Plan
-    blocks: tuple[str, ...]
-    policies: tuple[Policy, ...]
-    timings: Mapping[str, float]
-    """Seconds spent planning (``plan``: tracing the eager step, then every candidate)."""
-    use_cache: tuple[str, ...] = ()
-    """Paths of the modules whose ``config.use_cache`` ``apply`` turned off."""
-    fingerprint: str = ""
-    """Of the blocks' op streams (:func:`remat.native.planner.fingerprint`)."""
-    describe: Mapping[str, str] = field(default_factory=dict)
-    """Model class, precision and device profile, for the plan file."""
-    options: tuple[str, ...] = ()
-    """Per block, the menu option the plan chose."""
-    eager_peak_bytes: int = 0
-    """The traced step's peak with every block eager (no checkpoint)."""
-    block_recompute_s: tuple[float, ...] = ()
-    """Per block, the estimated time of what its backward recomputes."""
-    scratch: str = ""
-    """Where the allocator-only bytes (kernel scratch, RNG states) were measured, or why not."""
 
 
 def apply(
@@ -69,21 +53,8 @@ def apply(
     example_inputs: Any,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
-    budget_gb: float | None = None,
-    budget_bytes: int | None = None,
-    optimizer: str = "adamw",
-    precision: str = "fp32",
-    zero_stage: int = 0,
-    world_size: int = 1,
-    reserve_fraction: float = DEFAULT_RESERVE,
-    activation_budget_bytes: int | None = None,
-    plan: str | Path | None = None,
-    solver: str | None = None,
-    device_profile: str | DeviceProfile = "auto",
-    time_limit_s: float = 60.0,
-    block_types: tuple[str, ...] = (),
-    max_seq: int | None = None,
-    progress: Callable[[str], None] | None = None,
+    request: Request | None = None,
+    **flat: Unpack[RequestArgs],
 ) -> nn.Module:
     """Plan a selective-checkpoint policy per block of ``model`` and wrap the blocks **in
     place**; returns ``model`` itself.
@@ -127,43 +98,25 @@ def apply(
     Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
     refused after them), and only once (:func:`unapply` first to re-plan).
     """
+    req = request_of(request, flat)
+    _check_request(req)
     _check_unwrapped(model)
-    if plan is not None and (solver is not None or activation_budget_bytes is not None):
-        raise ValueError("pass either plan= or solver=/activation_budget_bytes=, not both")
-    if solver not in (None, "auto", *NATIVE_SOLVERS):
-        raise ValueError(
-            f"unknown native solver {solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"
-        )
-    if precision not in AUTOCAST:
-        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
-    args = _as_args(example_inputs)
-    kwargs = dict(example_kwargs or {})
-    if max_seq is not None:
-        args, kwargs = _at_longest(args, kwargs, max_seq)
-    options = Options(
-        optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
-    )
-    device, step_budget = resolve_budget(
-        model, budget_gb, budget_bytes, options, reserve_fraction, activation_budget_bytes
-    )
-    profile = get_profile(resolve_profile(model, device_profile))
-    config = SolverConfig(
-        time_limit_s=time_limit_s, block_types=tuple(block_types), progress=progress
-    )
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    if req.max_seq is not None:
+        args, kwargs = _at_longest(args, kwargs, req.max_seq)
+    device = req.device(model)
+    profile = get_profile(resolve_profile(model, req.device_profile))
+    options = req.training
 
     t0 = time.perf_counter()
-    blocks = regions.find_blocks(model, tuple(block_types))
+    blocks = regions.find_blocks(model, req.block_types)
     use_cache = _disable_kv_cache(model)
     try:
-        fsdp = world_size if zero_stage == 3 and world_size > 1 else None
-        problem, solution = _plan(
-            model, blocks, args, kwargs, plan, step_budget, profile, precision, fsdp, config, solver
-        )
-    except BudgetError as e:
-        _restore_kv_cache(model, use_cache)
-        if device is None:
-            raise
-        raise DeviceBudgetError(device, e) from None
+        fsdp = options.world_size if options.zero_stage == 3 and options.world_size > 1 else None
+        with device_errors(device):
+            problem, solution = _plan(
+                model, blocks, args, kwargs, req, req.step_budget(device), profile, fsdp
+            )
     except BaseException:
         _restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
         raise
@@ -182,13 +135,38 @@ def apply(
         {"plan": t1 - t0},
         use_cache,
         planner.fingerprint(problem),
-        {"model": type(model).__name__, "precision": precision, "device_profile": profile.name},
+        {
+            "model": type(model).__name__,
+            "precision": options.precision,
+            "device_profile": profile.name,
+        },
         solution.options,
         problem.baseline.peak_bytes,
         tuple(planner.costs(solution.trace).time_s),
         solution.trace.scratch,
     )
     return model
+
+
+def _check_request(req: Request) -> None:
+    if req.solver not in (None, "auto", *NATIVE_SOLVERS):
+        raise ValueError(
+            f"unknown native solver {req.solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"
+        )
+    if req.training.precision not in AUTOCAST:
+        raise ValueError(
+            f"unknown precision {req.training.precision!r}; valid: {', '.join(AUTOCAST)}"
+        )
+    if req.seq_buckets:
+        raise ValueError(
+            "seq_buckets is for remat.optimize: remat.apply's policies run every length "
+            "(pass max_seq alone)"
+        )
+    if isinstance(req.plan, Plan):
+        raise ValueError(
+            "remat.apply takes a fixed plan's name or a plan file from remat.save_plan, not a "
+            "Plan object of remat.optimize's executor"
+        )
 
 
 def _at_longest(
@@ -205,16 +183,15 @@ def _plan(
     blocks: tuple[str, ...],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
-    plan: str | Path | None,
+    req: Request,
     step_budget: int | None,
     profile: DeviceProfile,
-    precision: str,
     fsdp: int | None,
-    config: SolverConfig,
-    solver: str | None = None,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every block eager, then solve (or load, or fix) the policies."""
-    autocast = AUTOCAST[precision]
+    autocast = AUTOCAST[req.training.precision]
+    config = req.solver_config()
+    plan = req.plan
     fake = FakeModel(model, blocks, fsdp_world=fsdp)
     try:
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
@@ -229,15 +206,16 @@ def _plan(
     def tracer(policies: Any) -> Any:
         return fake.trace(args, kwargs, policies, profile=profile, autocast=autocast)
 
-    if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
+    if req.is_plan_file():
+        assert isinstance(plan, (str, Path))
         return problem, _from_file(problem, plan, tracer)
-    if plan is not None:
+    if isinstance(plan, str):
         solution = planner.fixed(problem, plan, tracer)
         if step_budget is not None and solution.trace.peak_bytes > step_budget:
             raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
         return problem, solution
     return problem, planner.solve(
-        problem, tracer, budget_bytes=step_budget, config=config, solver=solver or "auto"
+        problem, tracer, budget_bytes=step_budget, config=config, solver=req.solver or "auto"
     )
 
 
@@ -312,19 +290,6 @@ def _disable_kv_cache(model: nn.Module) -> tuple[str, ...]:
     return tuple(turned_off)
 
 
-def applied(model: nn.Module) -> Applied:
-    """What :func:`apply` left on ``model`` (its plan and the block policies)."""
-    state = _find_state(model)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} has no remat plan: call remat.apply first")
-    return state
-
-
-def plan_of(model: nn.Module) -> Plan:
-    """The plan :func:`apply` applied to ``model`` (also through DDP or compile wrappers)."""
-    return applied(model).plan
-
-
 def unapply(model: nn.Module) -> nn.Module:
     """Undo :func:`apply`: every block runs its own forward again. Returns ``model``."""
     if _STATE not in model.__dict__:
@@ -334,14 +299,6 @@ def unapply(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(_STATE)
     _restore_kv_cache(model, state.use_cache)
     return model
-
-
-def _find_state(model: nn.Module) -> Applied | None:
-    for m in model.modules():
-        state = m.__dict__.get(_STATE)
-        if isinstance(state, Applied):
-            return state
-    return None
 
 
 def _check_unwrapped(model: nn.Module) -> None:
@@ -359,8 +316,6 @@ def _check_unwrapped(model: nn.Module) -> None:
             f"{name} is already wrapped by DistributedDataParallel: apply remat to the model "
             "first (remat.apply(model, ...)), then wrap it with DDP"
         )
-    from torch.distributed.fsdp import FSDPModule
-
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise BlockError(
             f"{name} is already sharded with fully_shard: apply remat first "

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from remat.budget import format_bytes as _bytes
-from remat.native.api import Applied
+from remat.native.state import Applied
 
 
 def explain_applied(state: Applied, *, width: int = 120) -> str:

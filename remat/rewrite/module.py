@@ -26,7 +26,9 @@ from remat._torch_compat import is_fake
 from remat.graph.capture import Captured
 from remat.planfile import save_plan
 from remat.problem import Problem, Role
+from remat.report import explain_plan
 from remat.rewrite.executor import Executor
+from remat.rewrite.export import export_graphs
 from remat.solver.plan import Plan
 
 if TYPE_CHECKING:
@@ -134,16 +136,18 @@ class RematModule(nn.Module):
 
     def report(self, width: int = 120) -> str:
         """Print and return the memory breakdown and the plan by module (``remat.explain``)."""
-        from remat.report import explain
+        text = self.explain_text(width)
+        print(text, end="")
+        return text
 
-        return explain(self, width=width)
+    def explain_text(self, width: int = 120) -> str:
+        """The report of :meth:`report` as text, not printed."""
+        return explain_plan(self.plan, self._first.problem, width=width)
 
     def export(self, folder: str | Path) -> Path:
         """Write the plan's forward, backward and inference graphs as readable Python plus
         ``plan.json`` to ``folder`` (see :mod:`remat.rewrite.export`); load the graphs back
         with ``remat.rewrite.export.load_graphs``."""
-        from remat.rewrite.export import export_graphs
-
         folder = export_graphs(self._first.executor.graphs, folder)
         self.save_plan(folder / "plan.json")
         return folder

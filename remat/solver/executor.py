@@ -64,7 +64,7 @@ class Lifetimes:
 
 
 @dataclass(frozen=True)
-class Executor:
+class ExecutorModel:
     name: str
     candidates: Callable[[Problem], frozenset[str]]
     schedule: Callable[[Problem, frozenset[str]], Schedule]
@@ -84,7 +84,7 @@ def _graph_schedule(problem: Problem, saved: frozenset[str]) -> Schedule:
     return build_schedule(problem, saved)
 
 
-GRAPH = Executor(
+GRAPH = ExecutorModel(
     "graph",
     _graph_candidates,
     _graph_schedule,
@@ -388,12 +388,12 @@ def _sac_lifetimes_cached(problem: Problem) -> Lifetimes:
     return lifetimes
 
 
-SAC = Executor("sac", _sac_candidates, _sac_schedule, _sac_lifetimes_cached, _sac_kept)
+SAC = ExecutorModel("sac", _sac_candidates, _sac_schedule, _sac_lifetimes_cached, _sac_kept)
 
-EXECUTORS: Mapping[str, Executor] = {"graph": GRAPH, "sac": SAC}
+EXECUTORS: Mapping[str, ExecutorModel] = {"graph": GRAPH, "sac": SAC}
 
 
-def executor_of(problem: Problem) -> Executor:
+def executor_of(problem: Problem) -> ExecutorModel:
     return EXECUTORS[problem.executor]
 
 
@@ -406,7 +406,7 @@ __all__ = [
     "EXECUTORS",
     "GRAPH",
     "SAC",
-    "Executor",
+    "ExecutorModel",
     "Lifetime",
     "Lifetimes",
     "executor_of",

@@ -3,7 +3,7 @@
 Every storage of a transformer's step has ``itemsize * numel`` bytes, and its dimensions are
 products of ``b``, ``s`` and constants (``s - 1`` for shifted labels, ``b * heads`` for
 attention heads, ``s * s`` for scores): its bytes are a polynomial in ``{1, s, s^2}`` times
-``{1, b}``. So are FLOPs. :func:`fit` finds a polynomial from sizes measured at a few shapes,
+``{1, b}``. So are FLOPs. :func:`interpolate` finds a polynomial from sizes measured at a few shapes,
 exactly (rational arithmetic, no least squares), and checks it at shapes it was not fitted
 on.
 
@@ -35,7 +35,7 @@ __all__ = [
     "BASIS",
     "FitError",
     "Poly",
-    "fit",
+    "interpolate",
     "fit_points",
     "StepPolynomials",
     "peak_candidates",
@@ -202,7 +202,7 @@ class Fitter:
         return Poly.of(coefficients)
 
 
-def fit(points: Sequence[tuple[int, int]], samples: Sequence[int]) -> Poly:
+def interpolate(points: Sequence[tuple[int, int]], samples: Sequence[int]) -> Poly:
     """The polynomial of :data:`BASIS` (or its ``b``-free part, for one batch) through
     ``samples`` at ``points`` (as many as monomials)."""
     return Fitter.over(points)(samples)

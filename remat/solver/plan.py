@@ -20,7 +20,7 @@ from remat.solver.simulate import Simulation, simulate
 class Plan:
     saved: frozenset[str]
     """Forward values kept for the backward (names of the problem's values), as the
-    executor runs the plan (:attr:`remat.solver.executor.Executor.kept`)."""
+    executor runs the plan (:attr:`remat.solver.executor.ExecutorModel.kept`)."""
     solver: str
     reason: str
     """Why this plan was chosen, in one sentence."""

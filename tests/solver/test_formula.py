@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from remat.solver.formula import (
     BASIS,
     Poly,
-    fit,
     fit_points,
+    interpolate,
     peak_candidates,
     step_polynomials,
 )
@@ -34,7 +34,7 @@ def test_a_fit_through_six_shapes_recovers_the_polynomial_everywhere(
 ) -> None:
     truth = _poly(cs)
     points = fit_points([2, 3], [20, 24, 28])
-    got = fit(points, [truth.at(x, y) for x, y in points])
+    got = interpolate(points, [truth.at(x, y) for x, y in points])
     assert got == truth
     assert got.at(b, s) == truth.at(b, s)
 
@@ -42,7 +42,7 @@ def test_a_fit_through_six_shapes_recovers_the_polynomial_everywhere(
 def test_one_batch_fits_a_polynomial_in_s_alone() -> None:
     truth = Poly.of({(0, 0): 7, (0, 1): -3, (0, 2): 5})
     points = fit_points([1], [10, 11, 12])
-    assert fit(points, [truth.at(b, s) for b, s in points]) == truth
+    assert interpolate(points, [truth.at(b, s) for b, s in points]) == truth
     with pytest.raises(ValueError, match="3 distinct lengths"):
         fit_points([2, 3], [10, 10, 11])
 
