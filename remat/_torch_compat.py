@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
     GradAOTOutput,
@@ -22,8 +23,12 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput,
 )
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.graph import _BoxedCodeGen
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
@@ -34,14 +39,20 @@ __all__ = [
     "FakeTensorMode",
     "GradAOTOutput",
     "InputMutationAOTOutput",
+    "OpOverload",
+    "OptimizedModule",
     "ParamAOTInput",
     "PlainAOTInput",
     "PlainAOTOutput",
     "TangentAOTInput",
+    "TorchDispatchMode",
+    "TreeSpec",
     "activation_memory_budget",
     "allocator_events",
     "allocator_events_by_label",
     "boxed_codegen",
+    "child_modules",
+    "current_graph_task_id",
     "compile_caches_off",
     "dynamo_reset",
     "export_joint",
@@ -52,15 +63,32 @@ __all__ = [
     "fsdp_storage_resizes",
     "fully_shard_blocks",
     "flop_registry",
+    "is_batchnorm",
     "is_fake",
+    "is_mutable_op",
+    "local_buffers",
+    "local_parameters",
     "min_cut_backend",
     "no_dispatch_modes",
+    "non_persistent_buffer_names",
     "op_arguments",
+    "op_schema",
     "sdpa_backward_flop_count",
     "sdpa_flop_count",
     "rng_states_saved",
     "storage_key",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
 ]
+
+# Re-exported names, private where torch defines them:
+# - ``OpOverload`` (``torch._ops``): the type of ``torch.ops.aten.mm.default``, an ATen overload.
+# - ``OptimizedModule`` (``torch._dynamo.eval_frame``): what ``torch.compile(module)`` returns.
+# - ``TorchDispatchMode`` (``torch.utils._python_dispatch``): the base of dispatch modes.
+# - ``TreeSpec``, ``tree_flatten``, ``tree_leaves``, ``tree_map``, ``tree_unflatten``
+#   (``torch.utils._pytree``): PyTorch's pytree utilities, which know its containers.
 
 
 def export_joint(module: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
@@ -384,6 +412,49 @@ def inductor_config(**settings: Any) -> contextlib.AbstractContextManager[None]:
     return inductor.patch(**settings)  # type: ignore[no-any-return]
 
 
-def op_arguments(op: torch._ops.OpOverload) -> list[Any]:
+def op_arguments(op: OpOverload) -> list[Any]:
     """The schema's arguments of an ATen overload (each with ``.name``, ``.default_value``)."""
     return list(op._schema.arguments)
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The ``torch.FunctionSchema`` of an ATen overload (arguments, returns, alias info)."""
+    return op._schema
+
+
+def is_mutable_op(op: OpOverload) -> bool:
+    """Whether the overload's schema declares that it writes one of its arguments."""
+    return bool(op._schema.is_mutable)
+
+
+def current_graph_task_id() -> int:
+    """The id of the autograd graph task running on this thread: -1 outside a backward."""
+    return int(torch._C._current_graph_task_id())
+
+
+def is_batchnorm(module: torch.nn.Module) -> bool:
+    """A BatchNorm of any dimension or flavour (``torch.nn.modules.batchnorm._BatchNorm``:
+    BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones), the layers with running statistics."""
+    return isinstance(module, _BatchNorm)
+
+
+def local_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """``module``'s own parameters by name (``None`` for a registered empty one), the live
+    mapping itself: assigning to it swaps a parameter without a ``register_parameter``."""
+    return module._parameters  # type: ignore[return-value]
+
+
+def local_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffers by name (``None`` for a registered empty one), the live
+    mapping itself: assigning to it swaps a buffer in place of the original."""
+    return module._buffers
+
+
+def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers registered with ``persistent=False``."""
+    return module._non_persistent_buffers_set
+
+
+def child_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """``module``'s direct children by name, the live mapping itself."""
+    return module._modules

@@ -18,14 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import _torch_compat as tc
 from remat.graph.autocast import autocast_for
 
 
-class LiveMemoryMeter(TorchDispatchMode):
+class LiveMemoryMeter(tc.TorchDispatchMode):
     """Peak bytes of tensor storages allocated while the meter is active."""
 
     def __init__(self) -> None:
@@ -144,7 +142,7 @@ class StepMeasurement:
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
     """The tensor leaves of ``out`` (any pytree: an op's output or its arguments)."""
-    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def training_step(

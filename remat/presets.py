@@ -75,6 +75,39 @@ PRESETS: dict[str, Preset] = {
             "max_position_embeddings": 4096,
         },
     ),
+    # Llama 3 as Meta's published config.json files give it (rms_norm_eps 1e-5 for both).
+    "llama3-8b": Preset(
+        "Llama 3 8B (32 x 4096, GQA 32/8)",
+        "llama",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "llama3-70b": Preset(
+        "Llama 3 70B (80 x 8192, GQA 64/8)",
+        "llama",
+        {
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 

@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from remat import _torch_compat as tc
 from remat.graph.profiles import GPU_PROFILES
 
 __all__ = ["AUTOCAST", "CUDA_FLOAT32", "CudaFloat32Ops", "autocast_for", "policy_of"]
@@ -78,7 +78,7 @@ class CudaFloat32Ops(TorchFunctionMode):
             and kwargs.get("dtype") is None
             and torch.is_autocast_enabled(self.device_type)
         ):
-            args, kwargs = pytree.tree_map(_to_float32, (args, kwargs))
+            args, kwargs = tc.tree_map(_to_float32, (args, kwargs))
         return func(*args, **kwargs)
 
 

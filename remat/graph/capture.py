@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from remat import _torch_compat as tc
@@ -38,7 +37,7 @@ class CaptureError(RuntimeError):
 class OutputLayout:
     """How to rebuild the model's output from the graph's flat tensor outputs."""
 
-    spec: pytree.TreeSpec
+    spec: tc.TreeSpec
     tensor_positions: tuple[int, ...]
     """Positions, among the output leaves, of the tensors the graph returns."""
     constants: Mapping[int, Any]
@@ -50,7 +49,7 @@ class OutputLayout:
             leaves[pos] = value
         for pos, t in zip(self.tensor_positions, tensors, strict=True):
             leaves[pos] = t
-        return pytree.tree_unflatten(leaves, self.spec)
+        return tc.tree_unflatten(leaves, self.spec)
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class _FlatModel(nn.Module):
             device = flat[0].device.type if flat else "cpu"
             with autocast_for(device, self.autocast, self.autocast_policy):
                 out = self.model(*flat[:n], **kwargs, **self.layout.constant_kwargs)
-        leaves, spec = pytree.tree_flatten(out)
+        leaves, spec = tc.tree_flatten(out)
         positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
         self.record.append(OutputLayout(spec, positions, constants))
@@ -204,7 +203,7 @@ def _inline_region(
         args = torch.fx.node.map_arg(inner.args, env.__getitem__)
         kwargs = torch.fx.node.map_arg(inner.kwargs, env.__getitem__)
         with graph.inserting_before(anchor):
-            if isinstance(inner.target, torch._ops.OpOverload):
+            if isinstance(inner.target, tc.OpOverload):
                 new = graph.call_function(under_autocast, (*settings, inner.target, *args), kwargs)
             else:  # operator.getitem and the like: no dispatch, nothing to autocast
                 new = graph.call_function(inner.target, args, kwargs)

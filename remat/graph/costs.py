@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from remat import _torch_compat as tc
 from remat.graph.profiles import DeviceProfile
@@ -43,16 +42,16 @@ EXTRA_FLOPS: dict[Any, Callable[..., int]] = {
 
 
 def _vals(args: Any) -> Any:
-    return pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, args)
+    return tc.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, args)
 
 
 def node_flops(node: torch.fx.Node) -> int:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, tc.OpOverload):
         return 0
     return op_flops(node.target, _vals(node.args), _vals(node.kwargs), node.meta.get("val"))
 
 
-def op_flops(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> int:
+def op_flops(op: tc.OpOverload, args: Any, kwargs: Any, out: Any) -> int:
     """FLOPs of one call of ``op`` (tensors or FakeTensors as arguments and output)."""
     packet = op.overloadpacket
     if packet in EXTRA_FLOPS:
@@ -63,7 +62,7 @@ def op_flops(op: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> int
 
 
 def op_time(
-    op: torch._ops.OpOverload,
+    op: tc.OpOverload,
     args: Any,
     kwargs: Any,
     out: Any,
@@ -80,7 +79,7 @@ def op_time(
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+    return [t for t in tc.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def node_bytes_moved(node: torch.fx.Node, is_view: bool) -> int:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.utils._pytree as pytree
 
+from remat import _torch_compat as tc
 from remat.graph.costs import node_bytes_moved, node_dtype
 from remat.graph.profiles import get_profile
 from remat.problem import Problem, Role
@@ -63,7 +63,7 @@ class Dims:
         """Read from the first tensor input: dim 0 is the batch; dim 1 the sequence when it
         has an integer dtype (token ids) or ``seq=True``."""
         first = next(
-            (t for t in pytree.tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)),
+            (t for t in tc.tree_leaves((args, dict(kwargs))) if isinstance(t, torch.Tensor)),
             None,
         )
         if first is None or first.dim() == 0:
@@ -125,7 +125,7 @@ def inputs_at(
             t = _resize(t, d, n)
         return t
 
-    new_args, new_kwargs = pytree.tree_map(one, (args, dict(kwargs)))
+    new_args, new_kwargs = tc.tree_map(one, (args, dict(kwargs)))
     return tuple(new_args), new_kwargs
 
 
@@ -260,9 +260,7 @@ def _timed(analysis: Any) -> dict[str, tuple[int, str]]:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         v = by_name.get(node.name)
-        has_tensor = any(
-            isinstance(t, torch.Tensor) for t in pytree.tree_leaves(node.meta.get("val"))
-        )
+        has_tensor = any(isinstance(t, torch.Tensor) for t in tc.tree_leaves(node.meta.get("val")))
         if v is None or (has_tensor and not v.allocates):  # a view: no kernel
             continue
         out[node.name] = (node_bytes_moved(node, False), node_dtype(node))

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from remat import _torch_compat as tc
 from remat.graph.costs import node_flops, node_time
@@ -25,7 +24,7 @@ from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
 def _storages(val: Any) -> list[tuple[int, int]]:
     """(storage key, bytes) of every tensor in a node's value."""
     out = []
-    for t in pytree.tree_leaves(val):
+    for t in tc.tree_leaves(val):
         if isinstance(t, torch.Tensor):
             out.append((tc.storage_key(t), t.untyped_storage().nbytes()))
     return out
@@ -44,7 +43,7 @@ def _is_random(node: torch.fx.Node) -> bool:
     ``dropout_p``; at ``dropout_p = 0`` they draw nothing and may be recomputed like any op
     (without this, fused attention could never be recomputed)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, tc.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded not in target.tags:
         return False
@@ -69,7 +68,7 @@ def _module_stack(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
 
 
 def _shape(val: Any) -> tuple[int, ...]:
-    first = next((t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)), None)
+    first = next((t for t in tc.tree_leaves(val) if isinstance(t, torch.Tensor)), None)
     if first is None:
         return ()
     try:

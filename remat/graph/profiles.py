@@ -3,7 +3,8 @@
 A profile is a peak matmul throughput per dtype, a memory bandwidth and a fixed per-op launch
 overhead; an op's time is ``max(flops / peak, bytes moved / bandwidth) + overhead``. Only
 relative times matter to the solvers (recompute time vs step time), which a roofline gets right
-to first order. GPU figures are the vendors' dense spec-sheet peaks. ``cpu`` is calibrated on
+to first order. GPU figures are the vendors' dense spec-sheet peaks (each profile names its
+source); Ascend NPUs add a GEMM efficiency below NVIDIA's. ``cpu`` is calibrated on
 this machine by a short micro-benchmark (single-threaded, as per-node timings are only stable
 that way on small machines).
 """
@@ -14,6 +15,7 @@ import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,15 +31,21 @@ class DeviceProfile:
     memory_bytes: int = 0
     """Device memory, for reports; 0 when unknown."""
     notes: str = field(default="", compare=False)
+    matmul_efficiency: float = 1.0
+    """Fraction of the ``matmul_flops`` peak a GEMM reaches, relative to the NVIDIA profiles
+    (which take the spec-sheet peak as reached: 1.0)."""
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or not self.matmul_flops or min(self.matmul_flops.values()) <= 0:
             raise ValueError(f"profile {self.name}: throughputs must be positive")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"profile {self.name}: matmul_efficiency must be in (0, 1]")
 
     def flops_per_s(self, dtype: str) -> float:
-        return self.matmul_flops.get(dtype, self.matmul_flops.get("float32", 0.0)) or min(
+        peak = self.matmul_flops.get(dtype, self.matmul_flops.get("float32", 0.0)) or min(
             self.matmul_flops.values()
         )
+        return peak * self.matmul_efficiency
 
     def op_time(self, flops: int, bytes_moved: int, dtype: str) -> float:
         return (
@@ -47,7 +55,13 @@ class DeviceProfile:
 
 _GIB = 1024**3
 
+ASCEND_GEMM_EFFICIENCY = 0.85
+"""Ascend GEMMs reach about 15% less of their peak than NVIDIA's do of theirs: a
+practitioners' report (CANN matmul kernels against cuBLAS at LLM shapes), not a vendor
+figure nor measured here."""
+
 GPU_PROFILES: Mapping[str, DeviceProfile] = {
+    # Source: NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column).
     "a100": DeviceProfile(
         "a100",
         {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
@@ -56,6 +70,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         memory_bytes=80 * _GIB,
         notes="A100 SXM 80GB, dense, TF32 off (PyTorch's default for matmul)",
     ),
+    # Source: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; dense, without sparsity).
     "h100": DeviceProfile(
         "h100",
         {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
@@ -64,6 +79,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         memory_bytes=80 * _GIB,
         notes="H100 SXM 80GB, dense",
     ),
+    # Source: NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column; dense, without sparsity).
     "h200": DeviceProfile(
         "h200",
         {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
@@ -72,21 +88,52 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         memory_bytes=141 * _GIB,
         notes="H200 SXM 141GB, dense",
     ),
+    # Huawei publishes no per-chip datasheet for the 910B SKUs: the figures below are the
+    # widely circulated third-party spec tables (not checked against a Huawei document;
+    # other third-party pages disagree on bandwidth). fp16 and bf16 share the cube unit's
+    # rate. No float32 matmul figure was found: 1/4 of fp16 is assumed. Launch overhead as
+    # NVIDIA's (no figure found).
+    # Source: third-party 910B spec tables: Ascend 910B3, 313 TFLOPS fp16/bf16 dense,
+    # 64 GB HBM2e at 1.6 TB/s (the chip of Atlas 800T A2 training servers).
+    "ascend910b3": DeviceProfile(
+        "ascend910b3",
+        {"float32": 313e12 / 4, "bfloat16": 313e12, "float16": 313e12},
+        1.6e12,
+        op_overhead_s=4e-6,
+        memory_bytes=64 * _GIB,
+        notes="Ascend 910B3 64GB HBM2e, dense; GEMM efficiency 0.85 (practitioners' report)",
+        matmul_efficiency=ASCEND_GEMM_EFFICIENCY,
+    ),
+    # Source: third-party 910B spec tables: Ascend 910B4, 32 GB HBM2e at 0.8 TB/s; its
+    # fp16/bf16 peak, 280 TFLOPS dense, is the figure those tables quote, unverified.
+    "ascend910b4": DeviceProfile(
+        "ascend910b4",
+        {"float32": 280e12 / 4, "bfloat16": 280e12, "float16": 280e12},
+        0.8e12,
+        op_overhead_s=4e-6,
+        memory_bytes=32 * _GIB,
+        notes="Ascend 910B4 32GB HBM2e, dense; GEMM efficiency 0.85 (practitioners' report)",
+        matmul_efficiency=ASCEND_GEMM_EFFICIENCY,
+    ),
 }
+"""Accelerator profiles (NVIDIA GPUs and Ascend NPUs); a plan for one is traced with CUDA's
+autocast lists (``remat/graph/autocast.py``), which torch_npu's autocast follows."""
 
 PROFILE_NAMES = ("cpu", *GPU_PROFILES)
 
 
 def auto_profile_name(device: torch.device) -> str:
-    """The profile for the device a model lives on: ``cpu``, or the GPU model's name."""
-    if device.type != "cuda":
+    """The profile for the device a model lives on: ``cpu``, the GPU model's name, or the
+    Ascend SKU's (torch_npu's ``npu`` device, named e.g. ``Ascend910B3``)."""
+    if device.type not in ("cuda", "npu"):
         return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
+    backend: Any = getattr(torch, device.type)
+    name = str(backend.get_device_name(device)).lower()
     for key in GPU_PROFILES:
         if key in name:
             return key
     raise ValueError(
-        f"no device profile for {torch.cuda.get_device_name(device)!r}; pass device_profile= "
+        f"no device profile for {backend.get_device_name(device)!r}; pass device_profile= "
         f"one of {', '.join(PROFILE_NAMES)} or a remat.DeviceProfile"
     )
 

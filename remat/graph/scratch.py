@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from remat import _torch_compat as tc
 from remat.graph.profiles import GPU_PROFILES
@@ -81,9 +80,9 @@ def call_of(op: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Call |
     """The call ``op(*args, **kwargs)`` as layouts (FakeTensors or real ones), or None for a
     call that is not measured: not an ATen op (collectives and other namespaces must not run
     for real here), a view (no kernel), no tensor argument, or a tensor off CPU and CUDA."""
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten" or op.is_view:
+    if not isinstance(op, tc.OpOverload) or op.namespace != "aten" or op.is_view:
         return None
-    leaves, spec = pytree.tree_flatten((args, dict(kwargs)))
+    leaves, spec = tc.tree_flatten((args, dict(kwargs)))
     groups: dict[int, int] = {}
     out: list[Any] = []
     for x in leaves:
@@ -154,7 +153,7 @@ def _realize(call: Call, generator: torch.Generator) -> tuple[tuple[Any, ...], d
         usable = raw.numel() - raw.numel() % x.dtype.itemsize
         typed = raw[:usable].view(x.dtype)
         leaves.append(typed.as_strided(x.shape, x.stride, x.offset))
-    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+    args, kwargs = tc.tree_unflatten(leaves, call.spec)
     return tuple(args), dict(kwargs)
 
 

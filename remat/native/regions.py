@@ -158,7 +158,7 @@ def _run(region: Region, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
+    return bool(tc.current_graph_task_id() != -1)
 
 
 @contextlib.contextmanager
@@ -176,10 +176,10 @@ def running_stats_frozen(module: nn.Module) -> Iterator[None]:
     """
     swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
     for m in module.modules():
-        if not (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training):
+        if not (tc.is_batchnorm(m) and m.training):
             continue
         for name in ("running_mean", "running_var", "num_batches_tracked"):
-            buffer = m._buffers.get(name)
+            buffer = tc.local_buffers(m).get(name)
             if buffer is not None:
                 swapped.append((m, name, buffer))
     with tc.no_dispatch_modes():
@@ -188,12 +188,12 @@ def running_stats_frozen(module: nn.Module) -> Iterator[None]:
         for t in scratch:
             observe(t)
     for (m, name, _), s in zip(swapped, scratch, strict=True):
-        m._buffers[name] = s
+        tc.local_buffers(m)[name] = s
     try:
         yield
     finally:
         for m, name, buffer in swapped:
-            m._buffers[name] = buffer
+            tc.local_buffers(m)[name] = buffer
 
 
 class KeyPolicy:

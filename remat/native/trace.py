@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
@@ -220,7 +219,7 @@ class _Recorder(LiveMemoryMeter):
                 creates.append(name)
         reads = tuple((self.latest[n], n) for n in self.storage_names(in_tensors))
         self.latest.update((n, len(self.rows)) for n in self.storage_names(outs))
-        writes = func._schema.is_mutable or func in _UNANNOTATED_WRITES
+        writes = tc.is_mutable_op(func) or func in _UNANNOTATED_WRITES
         written = _written_storages(func, args, kwargs) if writes else set()
         mutable = bool(written)
         in_block_forward = self.block >= 0 and self.phase == "forward" and not self.recompute
@@ -365,7 +364,7 @@ def _wrapped_number_bytes(func: Any, args: tuple[Any, ...], kwargs: Mapping[str,
     if str(func) not in _SAVES_OTHER or not any(t.requires_grad for t in output_tensors(args)):
         return 0  # saved only for the gradient of a tensor that requires one
     total = 0
-    for k, arg in enumerate(func._schema.arguments):
+    for k, arg in enumerate(tc.op_schema(func).arguments):
         value = args[k] if k < len(args) else kwargs.get(arg.name)
         if isinstance(value, bool | int | float | complex) and isinstance(
             arg.type, torch.TensorType
@@ -377,7 +376,7 @@ def _wrapped_number_bytes(func: Any, args: tuple[Any, ...], kwargs: Mapping[str,
 def _written_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
     """Storage keys of the arguments ``func`` writes in place."""
     out: set[int] = set()
-    schema = func._schema
+    schema = tc.op_schema(func)
     for k, arg in enumerate(schema.arguments):
         declared = arg.alias_info is not None and arg.alias_info.is_write
         if not declared and k not in _UNANNOTATED_WRITES.get(func, ()):
@@ -423,7 +422,7 @@ class FakeModel:
         self._running_stats = frozenset(
             tc.storage_key(b)
             for m in self.module.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            if tc.is_batchnorm(m)
             for b in m.buffers(recurse=False)
         )
         self.world: tc.FakeWorld | None = None
@@ -456,7 +455,7 @@ class FakeModel:
         )
         for p in self.module.parameters():
             p.grad = None
-        fake_args, fake_kwargs = pytree.tree_map(self._fake, (args, dict(kwargs)))
+        fake_args, fake_kwargs = tc.tree_map(self._fake, (args, dict(kwargs)))
         if self.world is not None and not self._warm:
             self._warm_up(fake_args, fake_kwargs, autocast, policy_of(profile.name))
         with contextlib.ExitStack() as stack:
