@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from typing_extensions import Unpack
 
@@ -346,7 +345,7 @@ def fit(
 
             def run(a: tuple[Any, ...], kw: Mapping[str, Any]) -> Any:
                 if mode is not None:  # fake inputs of another FakeTensorMode: same shapes here
-                    a, kw = pytree.tree_map(lambda x: _in_mode(x, mode), (a, dict(kw)))
+                    a, kw = tc.tree_map(lambda x: _in_mode(x, mode), (a, dict(kw)))
                 return analyze(
                     m, a, kw, device_profile=profile, precision=precision, grads_held=grads_held
                 )

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from remat import _torch_compat as tc
 from remat.budget import StaticMemory
 from remat.formula import MemoryFormula, formula_of
 from remat.graph.dynamic import Dims, DynamicProblem, same_graph, shape_at
@@ -112,7 +112,7 @@ class LengthPlans:
         self.static = static
         self._solve = solve
         self.step_budget = step_budget
-        leaves, spec = pytree.tree_flatten((tuple(example[0]), dict(example[1])))
+        leaves, spec = tc.tree_flatten((tuple(example[0]), dict(example[1])))
         # What the example was, not the tensors themselves (the module must not hold them).
         self._example = ([_meta(x) for x in leaves], spec)
         self.training = training
@@ -134,7 +134,7 @@ class LengthPlans:
         """The length of ``args``/``kwargs`` if they are the example's inputs at another length
         of the range (same structure, dtypes, devices, constants; the example's batch), else
         None."""
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        leaves, spec = tc.tree_flatten((tuple(args), dict(kwargs)))
         ex_leaves, ex_spec = self._example
         if spec != ex_spec:
             return None

@@ -32,22 +32,8 @@ ROUTED_ATTRIBUTES = frozenset(
     }
 )
 
-PENDING: frozenset[tuple[str, str]] = frozenset(
-    {
-        # PENDING: uses in files being edited concurrently on another branch, which this
-        # branch may not touch. Each has its ``_torch_compat`` replacement ready (the
-        # comment); empty this set once they are routed. ``(path under remat/, the flagged
-        # expression as ast.unparse writes it)``; every occurrence in that file is allowed.
-        ("fit.py", "import torch.utils._pytree as pytree"),  # tc.tree_map, tc.tree_leaves, ...
-        ("lengths.py", "import torch.utils._pytree as pytree"),  # tc.tree_map, ...
-        ("native/api.py", "torch._dynamo.eval_frame.OptimizedModule"),  # tc.OptimizedModule
-        ("rewrite/module.py", "mod._modules"),  # tc.child_modules(mod)
-        ("rewrite/module.py", "mod._parameters"),  # tc.local_parameters(mod)
-        ("rewrite/module.py", "mod._buffers"),  # tc.local_buffers(mod)
-        # tc.non_persistent_buffer_names(mod)
-        ("rewrite/module.py", "mod._non_persistent_buffers_set"),
-    }
-)
+PENDING: frozenset[tuple[str, str]] = frozenset()
+"""Uses not yet routed: ``(path under remat/, the expression as ast.unparse writes it)``."""
 
 
 def _private(name: str) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import Unpack
 
+from remat import _torch_compat as tc
 from remat._torch_compat import is_fake
 from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
@@ -307,7 +308,7 @@ def _check_unwrapped(model: nn.Module) -> None:
         raise BlockError(
             f"{name} already has a remat plan: call remat.unapply(model) before applying again"
         )
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if isinstance(model, tc.OptimizedModule):
         raise BlockError(
             f"{name} is compiled: apply remat to the model first, then torch.compile it"
         )

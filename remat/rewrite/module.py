@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from remat import _torch_compat as tc
 from remat._torch_compat import is_fake
 from remat.graph.capture import Captured
 from remat.planfile import save_plan
@@ -71,18 +72,18 @@ def _mirror(source: nn.Module, target: nn.Module) -> None:
     def container(path: str) -> nn.Module:
         mod = target
         for part in path.split(".") if path else []:
-            if part not in mod._modules:
+            if part not in tc.child_modules(mod):
                 mod.add_module(part, nn.Module())
-            mod = mod._modules[part]  # type: ignore[assignment]
+            mod = tc.child_modules(mod)[part]  # type: ignore[assignment]
         return mod
 
     for prefix, mod in source.named_modules(remove_duplicate=False):
-        for name, p in mod._parameters.items():
+        for name, p in tc.local_parameters(mod).items():
             if p is not None:
                 container(prefix).register_parameter(name, p)
-        for name, b in mod._buffers.items():
+        for name, b in tc.local_buffers(mod).items():
             if b is not None:
-                persistent = name not in mod._non_persistent_buffers_set
+                persistent = name not in tc.non_persistent_buffer_names(mod)
                 container(prefix).register_buffer(name, b, persistent=persistent)
 
 
