@@ -72,7 +72,8 @@ def optimize(
         solver: a name from ``remat.solver.registry.SOLVERS`` or ``"auto"`` (the default): the
             plan with the least recompute time, among all solvers, that fits the budget.
         device_profile: cost model for recompute time: ``auto`` (the device the parameters are
-            on), ``cpu``, ``a100``, ``h100``, ``h200``, or a :class:`remat.DeviceProfile`.
+            on), ``cpu``, ``a100``, ``h100``, ``h200``, ``ascend910b3``, ``ascend910b4``, or a
+            :class:`remat.DeviceProfile`.
         time_limit_s: wall-clock limit of optimizing solvers.
         block_types: module class names or path patterns the ``block`` baseline checkpoints.
         max_seq: the longest sequence training will use, for inputs whose length varies (dim 1

@@ -69,7 +69,8 @@ def apply(
     (``config.use_cache = False``, as ``gradient_checkpointing_enable()`` does; ``unapply``
     restores it).
 
-    Budget options are those of :func:`remat.optimize` (``budget_gb`` / ``budget_bytes`` for
+    ``request``: the whole request as one :class:`remat.Request`, or, as sugar, its fields as
+    flat keyword arguments (not both). Budget options are those of :func:`remat.optimize` (``budget_gb`` / ``budget_bytes`` for
     the whole device with ``optimizer``, ``precision``, ``zero_stage``, ``world_size``,
     ``reserve_fraction``; or ``activation_budget_bytes`` for the step alone). ``plan``: a
     fixed plan, ``keep_all`` (no checkpoint), ``keep_matmuls`` (each block keeps its matmul
