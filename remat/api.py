@@ -14,6 +14,7 @@ from torch import nn
 
 from remat.budget import (
     DEFAULT_RESERVE,
+    FSDP_MIXED,
     GB,
     DeviceBudget,
     DeviceBudgetError,
@@ -122,6 +123,10 @@ def optimize(
     config = SolverConfig(
         time_limit_s=time_limit_s, block_types=tuple(block_types), progress=progress
     )
+    if precision == FSDP_MIXED:
+        raise ValueError(
+            f"precision={FSDP_MIXED!r} (FSDP2's own mixed precision) is planned by remat.apply, not remat.optimize"
+        )
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
     )

@@ -20,12 +20,12 @@ from torch import nn
 
 from remat._torch_compat import is_fake
 from remat.api import _as_args, resolve_budget, resolve_profile
-from remat.budget import DEFAULT_RESERVE, DeviceBudgetError, Options
+from remat.budget import DEFAULT_RESERVE, PRECISIONS, DeviceBudgetError, Options
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
 from remat.native.regions import BlockError, Policy
-from remat.native.trace import FakeModel, TraceError
+from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, TraceError
 from remat.pipeline import AUTOCAST
 from remat.planfile import NATIVE, PlanFileError, document, read_plan, write_document
 from remat.solver.config import BudgetError, SolverConfig
@@ -134,8 +134,8 @@ def apply(
         raise ValueError(
             f"unknown native solver {solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"
         )
-    if precision not in AUTOCAST:
-        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
+    if precision not in (*AUTOCAST, *FSDP_PARAM_DTYPES):
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if max_seq is not None:
@@ -214,8 +214,8 @@ def _plan(
     solver: str | None = None,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every block eager, then solve (or load, or fix) the policies."""
-    autocast = AUTOCAST[precision]
-    fake = FakeModel(model, blocks, fsdp_world=fsdp)
+    autocast, mp = AUTOCAST.get(precision), FSDP_PARAM_DTYPES.get(precision)
+    fake = FakeModel(model, blocks, fsdp_world=fsdp, fsdp_param_dtype=mp)
     try:
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
     except TraceError as e:
@@ -223,7 +223,7 @@ def _plan(
             raise
         if config.progress:
             config.progress(f"tracing on a real copy of the model: {e}")
-        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp)
+        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp, fsdp_param_dtype=mp)
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
 
     def tracer(policies: Any) -> Any:
