@@ -267,19 +267,27 @@ class _OwnWorld:
 
 
 def fully_shard_blocks(
-    model: torch.nn.Module, blocks: list[torch.nn.Module], world_size: int, mode: FakeTensorMode
+    model: torch.nn.Module,
+    blocks: list[torch.nn.Module],
+    world_size: int,
+    mode: FakeTensorMode,
+    param_dtype: torch.dtype | None = None,
 ) -> None:
-    """FSDP2 as the recipe applies it: ``fully_shard`` each block, then the root, defaults;
-    the device mesh is made outside ``mode`` (its rank table is read as data)."""
+    """FSDP2 as the recipe applies it: ``fully_shard`` each block, then the root; the device
+    mesh is made outside ``mode`` (its rank table is read as data). ``param_dtype``: FSDP2's
+    own mixed precision, ``MixedPrecisionPolicy(param_dtype=param_dtype,
+    reduce_dtype=torch.float32)`` (torchtitan's default); None: FSDP2's defaults."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next((t.device.type for t in model.parameters()), "cpu")
     mesh = init_device_mesh(device, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp: dict[str, Any] = {} if param_dtype is None else {"mp_policy": policy}
     with mode:
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
 
 
 @contextlib.contextmanager

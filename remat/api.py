@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 from typing_extensions import Unpack
 
+from remat.budget import FSDP_MIXED
 from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import capture_dynamic, sequence_dims
 from remat.lengths import LengthPlans, PlanningEvent, bucket_tops
@@ -96,6 +97,11 @@ def optimize(
     machine: the returned module then carries a plan but cannot run.
     """
     req = request_of(request, flat)
+    if req.training.precision == FSDP_MIXED:
+        raise ValueError(
+            f"precision={FSDP_MIXED!r} (FSDP2's own mixed precision) is planned by remat.apply, "
+            "not remat.optimize"
+        )
     if req.training.precision not in AUTOCAST:
         raise ValueError(
             f"unknown precision {req.training.precision!r}; valid: {', '.join(AUTOCAST)}"

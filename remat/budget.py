@@ -12,7 +12,17 @@ precision       parameters (and the master copy)           gradients
 ``fp16-mixed``  weights; autocast casts them per op        computes in 16 bits, the
                                                            gradients of fp32 parameters
                                                            are fp32)
+``bf16-fsdp``   4 B/param / N: FSDP2's fp32 sharded master  4 B/param / N, fp32 shards
+                parameters (ZeRO-3 only); the bf16 copies  (reduce-scattered in fp32);
+                gathered per block are inside the step     the bf16 gradients before
+                                                           reduce-scatter are inside
+                                                           the step
 ==============  =========================================  ==============================
+
+``bf16-fsdp`` is FSDP2's own mixed precision, ``fully_shard(block, mesh=mesh,
+mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` per
+block then the root (torchtitan's default): no autocast, the blocks compute in bf16 on the
+parameters FSDP2 gathers; so it needs ``zero_stage=3`` and ``world_size > 1``.
 
 Optimizer state is fp32: Adam/AdamW two moments (8 B/param), SGD with momentum one (4 B/param),
 ``none`` nothing. So Adam costs 16 B per trainable parameter in every precision (the ZeRO
@@ -40,7 +50,9 @@ from remat.solver.config import BudgetError
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """fp32 state tensors per trainable parameter."""
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+FSDP_MIXED = "bf16-fsdp"
+"""FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): ZeRO-3 only."""
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", FSDP_MIXED)
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_RESERVE = 0.05
 GB = 1e9
@@ -88,6 +100,12 @@ class Options:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if self.precision == FSDP_MIXED and (self.zero_stage != 3 or self.world_size < 2):
+            raise ValueError(
+                f"precision={FSDP_MIXED!r} is FSDP2's MixedPrecisionPolicy: it needs "
+                f"zero_stage=3 and world_size > 1 (got zero_stage={self.zero_stage}, "
+                f"world_size={self.world_size}); for one device use 'bf16-mixed' (autocast)"
+            )
 
     @property
     def grads_released(self) -> bool:

@@ -37,6 +37,7 @@ from remat.api import optimize
 from remat.budget import (
     DEFAULT_RESERVE,
     GB,
+    PRECISIONS,
     Options,
     StaticMemoryError,
     device_budget,
@@ -45,7 +46,6 @@ from remat.fit import FitReport, fit
 from remat.graph.profiles import PROFILE_NAMES
 from remat.models import TinyGPT
 from remat.native.api import apply, save_plan
-from remat.native.regions import BlockError
 from remat.native.report import explain_applied
 from remat.native.state import applied
 from remat.native.trace import TraceError
@@ -251,7 +251,7 @@ def plan_command(args: argparse.Namespace) -> int:
             else:
                 fast = optimize(built.model, built.args, example_kwargs=built.kwargs, request=req)
                 timings = fast._first.timings
-        except (BudgetError, StaticMemoryError, BlockError, TraceError) as e:
+        except (ValueError, TraceError) as e:
             console.print(f"[red]remat plan: {e}")
             return 1
     wall = time.perf_counter() - t0
@@ -524,7 +524,8 @@ def _executor_name(name: str) -> str:
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="bf16-fsdp: FSDP2's MixedPrecisionPolicy (--executor sac, ZeRO-3)")  # fmt: skip
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--world-size", type=int, default=1)

@@ -104,7 +104,13 @@ def verify(
     kwargs = dict(example_kwargs or {})
     # Mixed precision: the eager reference runs its forward under autocast; the remat module
     # carries the casts in its graphs.
-    autocast = AUTOCAST[optimize_kwargs.get("precision", "fp32")]
+    precision = optimize_kwargs.get("precision", "fp32")
+    if precision not in AUTOCAST:
+        raise ValueError(
+            f"remat.verify runs one process; precision {precision!r} needs FSDP2 over ranks "
+            f"(valid here: {', '.join(AUTOCAST)})"
+        )
+    autocast = AUTOCAST[precision]
     ref, work = copy.deepcopy(model), copy.deepcopy(model)
     fast: nn.Module
     if native:

@@ -50,6 +50,52 @@ def test_zero_stages_shard_the_right_parts() -> None:
     assert not Options(zero_stage=2, world_size=1).grads_released
 
 
+def test_fsdp_mixed_precision_is_fp32_shards() -> None:
+    # FSDP2 MixedPrecisionPolicy(bf16, reduce fp32): fp32 sharded master parameters and fp32
+    # sharded gradients held across the step, AdamW's fp32 moments sharded; the bf16 gathered
+    # parameters and pre-reduce gradients are inside the traced step
+    n = 8
+    s = _static(precision="bf16-fsdp", zero_stage=3, world_size=n)
+    assert (s.parameters, s.gradient_shards, s.optimizer_state) == (P // 2, P // 2, P)
+    assert s.total == 16 * P // n == 2 * P
+    assert s == _static(zero_stage=3, world_size=n)
+
+
+@pytest.mark.parametrize(("zero_stage", "world_size"), [(0, 2), (1, 2), (2, 2), (3, 1), (0, 1)])
+def test_fsdp_mixed_precision_needs_zero3_over_ranks(zero_stage: int, world_size: int) -> None:
+    match = r"bf16-fsdp.*zero_stage=3 and world_size > 1"
+    with pytest.raises(ValueError, match=match):
+        Options(precision="bf16-fsdp", zero_stage=zero_stage, world_size=world_size)
+    model, tokens = _tiny()
+    with pytest.raises(ValueError, match=match):
+        remat.apply(
+            model,
+            tokens,
+            activation_budget_bytes=1 << 30,
+            precision="bf16-fsdp",
+            zero_stage=zero_stage,
+            world_size=world_size,
+        )
+
+
+def test_fsdp_mixed_precision_is_refused_by_optimize() -> None:
+    model, tokens = _tiny()
+    with pytest.raises(ValueError, match=r"bf16-fsdp.*remat\.apply"):
+        remat.optimize(
+            model,
+            tokens,
+            activation_budget_bytes=1 << 30,
+            precision="bf16-fsdp",
+            zero_stage=3,
+            world_size=2,
+        )
+
+
+def _tiny() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=32, dim=16, heads=2, layers=2, seq=16), torch.randint(0, 32, (2, 16))
+
+
 def test_frozen_parameters_cost_their_bytes_only() -> None:
     s = static_memory(4 * P, 4 * P, P, P, Options())
     assert (s.parameters, s.optimizer_state) == (8 * P, 8 * P)
@@ -58,7 +104,7 @@ def test_frozen_parameters_cost_their_bytes_only() -> None:
 def test_bad_options_list_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="adamw, adam, sgd, none"):
         Options(optimizer="lion")
-    with pytest.raises(ValueError, match="fp32, bf16-mixed, fp16-mixed"):
+    with pytest.raises(ValueError, match="fp32, bf16-mixed, fp16-mixed, bf16-fsdp"):
         Options(precision="fp8")
     with pytest.raises(ValueError, match="zero_stage"):
         Options(zero_stage=4)

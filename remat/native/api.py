@@ -22,13 +22,14 @@ from typing_extensions import Unpack
 
 from remat import _torch_compat as tc
 from remat._torch_compat import is_fake
+from remat.budget import PRECISIONS
 from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
-from remat.native.trace import FakeModel, TraceError
+from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, TraceError
 from remat.planfile import NATIVE, PlanFileError, document, read_plan, write_document
 from remat.request import (
     Request,
@@ -155,9 +156,9 @@ def _check_request(req: Request) -> None:
         raise ValueError(
             f"unknown native solver {req.solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"
         )
-    if req.training.precision not in AUTOCAST:
+    if req.training.precision not in (*AUTOCAST, *FSDP_PARAM_DTYPES):
         raise ValueError(
-            f"unknown precision {req.training.precision!r}; valid: {', '.join(AUTOCAST)}"
+            f"unknown precision {req.training.precision!r}; valid: {', '.join(PRECISIONS)}"
         )
     if req.seq_buckets:
         raise ValueError(
@@ -191,10 +192,11 @@ def _plan(
     fsdp: int | None,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every block eager, then solve (or load, or fix) the policies."""
-    autocast = AUTOCAST[req.training.precision]
+    precision = req.training.precision
+    autocast, mp = AUTOCAST.get(precision), FSDP_PARAM_DTYPES.get(precision)
     config = req.solver_config()
     plan = req.plan
-    fake = FakeModel(model, blocks, fsdp_world=fsdp)
+    fake = FakeModel(model, blocks, fsdp_world=fsdp, fsdp_param_dtype=mp)
     try:
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
     except TraceError as e:
@@ -202,7 +204,7 @@ def _plan(
             raise
         if config.progress:
             config.progress(f"tracing on a real copy of the model: {e}")
-        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp)
+        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp, fsdp_param_dtype=mp)
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
 
     def tracer(policies: Any) -> Any:

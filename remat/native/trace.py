@@ -386,6 +386,10 @@ def _written_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
     return out
 
 
+FSDP_PARAM_DTYPES: Mapping[str, torch.dtype] = {"bf16-fsdp": torch.bfloat16}
+"""Precisions that are FSDP2's own mixed precision: the dtype its parameters are gathered in."""
+
+
 class FakeModel:
     """A copy of the user's model that steps are traced on: FakeTensors (no memory, any
     size), or with ``real=True`` real tensors, for models whose step cannot run on
@@ -394,7 +398,9 @@ class FakeModel:
     ``fsdp_world``: the copy is sharded with FSDP2 over that many ranks of a fake process
     group (:class:`remat._torch_compat.FakeWorld`), each block and then the root, and the
     step is traced as one rank runs it: gathered parameters of the running and prefetched
-    blocks, gradients before and after reduce-scatter."""
+    blocks, gradients before and after reduce-scatter. ``fsdp_param_dtype``: FSDP2's own mixed
+    precision (:func:`remat._torch_compat.fully_shard_blocks`): parameters gathered in that
+    dtype, gradients reduced in fp32."""
 
     def __init__(
         self,
@@ -403,6 +409,7 @@ class FakeModel:
         *,
         real: bool = False,
         fsdp_world: int | None = None,
+        fsdp_param_dtype: torch.dtype | None = None,
     ) -> None:
         self.real = real
         self.source_device = device_of(model)
@@ -435,7 +442,9 @@ class FakeModel:
                 )
             self.world = tc.FakeWorld(fsdp_world)
             with self.world.active():
-                tc.fully_shard_blocks(self.module, self._blocks, fsdp_world, self.mode)
+                tc.fully_shard_blocks(
+                    self.module, self._blocks, fsdp_world, self.mode, fsdp_param_dtype
+                )
 
     def trace(
         self,

@@ -34,12 +34,17 @@ def _wrap(model: nn.Module, engine: str) -> nn.Module:
     if engine == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp: dict[str, Any] = {}
+    if engine == "fsdp2-bf16":  # torchtitan's default policy
+        mp["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp)
     return model
 
 
@@ -70,7 +75,11 @@ def main(rank: int, world: int, engine: str, out: str, budget: int) -> None:
         tokens = tokens.roll(rank, dims=0)  # each rank its own batch
         plain = _train(_wrap(copy.deepcopy(model), engine), tokens, rank)
         work = copy.deepcopy(model)
-        fsdp = {"zero_stage": 3, "world_size": world} if engine == "fsdp2" else {}
+        fsdp: dict[str, Any] = {}
+        if engine.startswith("fsdp2"):
+            fsdp = {"zero_stage": 3, "world_size": world}
+        if engine == "fsdp2-bf16":
+            fsdp["precision"] = "bf16-fsdp"
         remat.apply(work, tokens, activation_budget_bytes=budget, **fsdp)
         plan = remat.plan_of(work)
         ours = _train(_wrap(work, engine), tokens, rank)
