@@ -91,6 +91,14 @@ def test_fsdp_mixed_precision_is_refused_by_optimize() -> None:
         )
 
 
+def test_fsdp_mixed_precision_is_refused_by_single_process_verify() -> None:
+    from remat.verify import verify
+
+    model, tokens = _tiny()
+    with pytest.raises(ValueError, match=r"one process; precision 'bf16-fsdp' needs FSDP2"):
+        verify(model, tokens, native=True, precision="bf16-fsdp", zero_stage=3, world_size=2)
+
+
 def _tiny() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return TinyGPT(vocab=32, dim=16, heads=2, layers=2, seq=16), torch.randint(0, 32, (2, 16))
