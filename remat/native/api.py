@@ -93,6 +93,11 @@ def apply(
     peak is one rank's: gathered parameters of the running and prefetched blocks, gradients
     before and after reduce-scatter.
 
+    ``precision="bf16-fsdp"`` (with ``zero_stage=3, world_size=N``) plans the step FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` runs:
+    bf16 parameters gathered per block, fp32 sharded master weights, gradients reduced in fp32.
+    Shard with that policy (on each block, then the root) after ``apply``.
+
     ``max_seq``: for inputs whose length varies (dim 1 of the first input, token ids), the
     longest. The policies do not depend on shapes, so one plan runs every length; it is planned
     and its peak traced at ``max_seq`` (the example inputs tiled to that length), the longest
