@@ -22,6 +22,7 @@ from rich.table import Table
 
 import remat
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Proof
 from remat.solver.registry import HEURISTICS, least_peak, solve
 
 RESULTS = Path(__file__).parent / "results"
@@ -66,7 +67,7 @@ def main() -> None:
                         "backend": backend,
                         "solve_s": time.perf_counter() - t0,
                         "recompute_s": plan.recompute_time_s,
-                        "proven_optimal": "optimal" in plan.reason,
+                        "proven_optimal": plan.proof is Proof.OPTIMAL,
                     }
                 )
                 console.print(f"{name} {frac:.0%} {backend}: {rows[-1]['solve_s']:.1f} s")

@@ -24,6 +24,7 @@ from rich.table import Table
 
 import remat
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Proof
 from remat.solver.registry import least_peak, solve
 
 RESULTS = Path(__file__).parent / "results"
@@ -76,7 +77,7 @@ def main() -> None:
             if name == "exact":
                 bound = plan.lower_bound_s
                 row["exact_bound_us"] = None if bound is None else bound * 1e6
-                row["exact_proven"] = "optimal" in plan.reason
+                row["exact_proven"] = plan.proof is Proof.OPTIMAL
         c, e = row.get("chain_us"), row.get("exact_us")
         row["gap_pct"] = (
             100 * (c - e) / e if isinstance(c, float) and isinstance(e, float) and e else None

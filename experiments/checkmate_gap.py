@@ -29,6 +29,7 @@ from remat.models import TinyGPT
 from remat.solver.checkmate import checkmate_bound
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Proof
 from remat.solver.registry import HEURISTICS, least_peak, solve
 
 RESULTS = Path(__file__).parent / "results"
@@ -96,7 +97,7 @@ def main() -> None:
                     "nodes": nodes,
                     "budget_bytes": budget,
                     "exact_cost_s": cost,
-                    "exact_optimal": "optimal" in plan.reason,
+                    "exact_optimal": plan.proof is Proof.OPTIMAL,
                     "exact_solve_s": exact_s,
                     "checkmate_bound_s": bound,
                     "checkmate_optimal": cm.optimal,

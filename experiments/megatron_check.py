@@ -34,7 +34,7 @@ import torch
 import remat
 from remat.problem import Role
 from remat.solver.fixed import fixed_saved_set
-from remat.solver.plan import make_plan
+from remat.solver.plan import Proof, make_plan
 from remat.solver.registry import solve
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -212,7 +212,9 @@ def main() -> None:
             problem = analyze(s, h, a, precision)
             # keep_all exactly as the brief names it: fixed_saved_set + make_plan
             why = fixed_saved_set(problem, "keep_all")
-            keep_all = make_plan(problem, why, solver="keep_all", reason="keep_all")
+            keep_all = make_plan(
+                problem, why, solver="keep_all", reason="keep_all", proof=Proof.HEURISTIC
+            )
             layers = {"keep_all": classify(problem, keep_all.saved)}
             assert dict(layers["keep_all"]["layers.0"]) == dict(layers["keep_all"]["layers.1"])
             plans = {"keep_all": keep_all}

@@ -22,6 +22,7 @@ from rich.table import Table
 
 import remat
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Proof
 from remat.solver.registry import HEURISTICS, least_peak, solve
 
 RESULTS = Path(__file__).parent / "results"
@@ -77,7 +78,7 @@ def main() -> None:
                 continue
             results[name] = (plan, time.perf_counter() - t1)
         exact = results.get("exact")
-        proven = exact is not None and "optimal" in exact[0].reason
+        proven = exact is not None and exact[0].proof is Proof.OPTIMAL
         for name, (plan, secs) in results.items():
             rows.append(
                 {

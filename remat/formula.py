@@ -184,7 +184,9 @@ def _schedule_of(r: ShapeRange, plan: str | Plan) -> Any:
     missing = [n for n in plan.saved if n not in r.template.by_name]
     if missing:
         raise ValueError(f"the plan keeps {missing[0]!r}, which this range's graph lacks")
-    return make_plan(r.template, plan.saved, solver=plan.solver, reason=plan.reason).schedule
+    return make_plan(
+        r.template, plan.saved, solver=plan.solver, reason=plan.reason, proof=plan.proof
+    ).schedule
 
 
 def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) -> MemoryFormula:
@@ -211,10 +213,15 @@ def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) 
             tensor_candidates = candidates
         ranges.append(
             RangeFormula(
-                r.b_min, r.b_max, r.s_min, r.s_max, tuple(candidates), saved,
+                r.b_min,
+                r.b_max,
+                r.s_min,
+                r.s_max,
+                tuple(candidates),
+                saved,
                 tuple(tensor_candidates),
             )
-        )  # fmt: skip
+        )
     if not ranges:
         raise ValueError(f"the plan covers none of the ranges: {'; '.join(notes)}")
     name = plan if isinstance(plan, str) else plan.solver

@@ -25,7 +25,7 @@ from remat.formula import MemoryFormula, formula_of
 from remat.graph.dynamic import Dims, DynamicProblem, same_graph, shape_at
 from remat.problem import Problem
 from remat.solver.config import BudgetError
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan
 
 __all__ = ["Bucket", "LengthPlans", "PlanningEvent", "bucket_tops"]
 
@@ -202,6 +202,7 @@ class LengthPlans:
             problem,
             solved.saved,
             solver=solved.solver,
+            proof=solved.proof if s == bucket.hi else Proof.HEURISTIC,  # proven at bucket.hi only
             reason=f"{solved.reason}; solved at length {bucket.hi} for lengths "
             f"{bucket.lo}..{bucket.hi}",
         )

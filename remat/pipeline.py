@@ -125,7 +125,9 @@ def choose_plan(
         unknown = sorted(plan.saved - set(problem.by_name))
         if unknown:
             raise ValueError(f"the plan saves values this graph does not have: {unknown[:5]}")
-        return make_plan(problem, plan.saved, solver=plan.solver, reason=plan.reason)
+        return make_plan(
+            problem, plan.saved, solver=plan.solver, reason=plan.reason, proof=plan.proof
+        )
     if isinstance(plan, str):
         return fixed_plan(problem, plan)
     return solve(

@@ -21,7 +21,7 @@ import torch
 
 from remat._version import __version__
 from remat.problem import Problem
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan
 
 FORMAT = "remat-plan"
 VERSION = 1
@@ -67,6 +67,9 @@ class PlanFile:
     saved: frozenset[str]
     solver: str
     reason: str
+    proof: Proof
+    """The plan's :class:`Proof`; :attr:`Proof.HEURISTIC` (no claim) for files written before
+    plans recorded it."""
     torch_version: str
     remat_version: str
     record: Mapping[str, Any]
@@ -91,6 +94,7 @@ def document(plan: Plan, fingerprint: str, graph: Mapping[str, Any]) -> dict[str
         "graph": dict(graph),
         "solver": plan.solver,
         "reason": plan.reason,
+        "proof": plan.proof.value,
         "saved": sorted(plan.saved),
         "recomputed": list(plan.recomputed),
         "decisions": dict(sorted(plan.decisions.items())),
@@ -138,11 +142,12 @@ def read_plan(path: str | Path) -> PlanFile:
             saved=frozenset(saved),
             solver=str(doc["solver"]),
             reason=str(doc["reason"]),
+            proof=Proof(doc.get("proof", Proof.HEURISTIC.value)),
             torch_version=str(doc["torch_version"]),
             remat_version=str(doc["remat_version"]),
             record=doc,
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"plan file {path} is corrupt: {e}") from None
 
 
@@ -171,6 +176,7 @@ def plan_from_file(path: str | Path, problem: Problem) -> Plan:
         f.saved,
         solver=f.solver,
         reason=f"loaded from {path} ({f.reason})",
+        proof=f.proof,
     )
 
 

@@ -22,7 +22,7 @@ from remat.native.report import explain_applied
 from remat.native.state import applied
 from remat.problem import Problem, Role
 from remat.solver.fixed import fixed_saved_set
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,7 +40,9 @@ def _op(name: str) -> str:
 
 
 def memory_table(plan: Plan, problem: Problem) -> Table:
-    keep_all = make_plan(problem, fixed_saved_set(problem, "keep_all"), solver="", reason="")
+    keep_all = make_plan(
+        problem, fixed_saved_set(problem, "keep_all"), solver="", reason="", proof=Proof.HEURISTIC
+    )
     grads = problem.storages_bytes(
         s for g in problem.grad_outputs for s in problem.by_name[g].storages
     )
@@ -140,7 +142,7 @@ def explain_plan(plan: Plan, problem: Problem, *, width: int = 120) -> str:
         f"{len(plan.recomputed)} recomputed ({sim.recompute_flops / 1e9:,.2f} GFLOP): recompute "
         f"{100 * sim.recompute_time_s / sim.step_time_s:.2f}% of the step on the "
         f"{problem.device_profile!r} profile; predicted step peak "
-        f"{_bytes(plan.predicted_peak_bytes)}. {plan.reason}"
+        f"{_bytes(plan.predicted_peak_bytes)}; {plan.proof.value}. {plan.reason}"
         if sim.step_time_s
         else plan.reason
     )

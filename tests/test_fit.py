@@ -14,7 +14,7 @@ from remat.fit import FitReport, fit
 from remat.graph.dynamic import Dims, inputs_at
 from remat.pipeline import analyze
 from remat.request import model_static_memory
-from remat.solver.plan import make_plan
+from remat.solver.plan import Proof, make_plan
 from tests.zoo import llama
 
 _CACHE: dict[str, Any] = {}
@@ -42,7 +42,7 @@ def _fits(model: Any, args: Any, report: FitReport, name: str, b: int, s: int) -
     step_budget = report.budget.step_budget_bytes
     options = []
     for c in candidates:
-        plan = make_plan(problem, c.saved, solver=c.name, reason="")
+        plan = make_plan(problem, c.saved, solver=c.name, reason="", proof=Proof.HEURISTIC)
         sim = plan.simulation
         pct = 100 * sim.recompute_time_s / sim.step_time_s
         options.append((c.name, plan.predicted_peak_bytes, pct))

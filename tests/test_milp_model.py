@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import remat
-from remat.solver import make_plan
+from remat.solver import Proof, make_plan
 from remat.solver.backend import backend
 from remat.solver.compress import compress
 from remat.solver.config import SolverConfig
@@ -39,7 +39,9 @@ def test_model_peak_equals_simulated_peak_at_modelled_moments(
         except ValueError:
             continue
         if compressed:  # the model the solver builds: views merged, chains folded
-            plan = make_plan(comp.problem, comp.lower(plan.saved), solver=name, reason="")
+            plan = make_plan(
+                comp.problem, comp.lower(plan.saved), solver=name, reason="", proof=Proof.HEURISTIC
+            )
             model = _Model(comp.problem, None, comp.fold)
         else:
             model = _Model(problem, None)

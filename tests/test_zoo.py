@@ -8,6 +8,7 @@ import torch
 import remat
 from remat.solver.config import SolverConfig
 from remat.solver.fixed import FIXED_PLANS
+from remat.solver.plan import Proof
 from remat.solver.registry import solve
 from tests.checks import assert_trains_like_eager
 from tests.zoo import GQA_ZOO, ZOO, Case
@@ -61,7 +62,7 @@ def test_auto_between_least_and_keep_all(case: Case) -> None:
             time_limit_s=LIMIT,
         )
         assert result.plan.predicted_peak_bytes <= budget
-        if "optimal" in result.plan.reason:  # time-limited plans need not be monotone
+        if result.plan.proof is Proof.OPTIMAL:  # time-limited plans need not be monotone
             costs.append(result.plan.recompute_time_s)
     assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"
 
@@ -114,7 +115,7 @@ def test_optimizing_solvers_at_three_budgets(case: Case, solver: str) -> None:
         assert plan.predicted_peak_bytes <= budget
         if plan.lower_bound_s is not None:
             assert plan.lower_bound_s <= plan.recompute_time_s + 1e-12
-        if "optimal" in plan.reason:
+        if plan.proof is Proof.OPTIMAL:
             costs.append(plan.recompute_time_s)
     if solver == "exact":
         # Only proven optima must be monotone: a plan found when the 10 s limit ran out may be

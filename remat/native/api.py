@@ -261,6 +261,7 @@ def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) ->
         tracer(policies),
         f.solver,
         f"loaded from {path} ({f.reason})",
+        f.proof,
         tuple("from file" for _ in policies),
     )
 

@@ -52,7 +52,7 @@ from remat.solver import registry
 from remat.solver.chain import ChainCosts, chain_dp
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import executor_of
-from remat.solver.plan import Plan
+from remat.solver.plan import Plan, Proof
 from remat.solver.schedule import Schedule
 from remat.solver.simulate import Simulation, TimelineStep
 
@@ -209,6 +209,8 @@ class Solution:
     trace: StepTrace
     solver: str
     reason: str
+    proof: Proof
+    """What is proven about the plan (:class:`remat.solver.plan.Proof`)."""
     options: tuple[str, ...] = ()
     """Per block, the name of the menu option chosen (for reports)."""
 
@@ -233,7 +235,8 @@ def fixed(problem: NativeProblem, name: str, tracer: Tracer) -> Solution:
         "keep_matmuls": "every block keeps its matmul and attention outputs",
         "block": "every block recomputed whole (gradient_checkpointing_enable())",
     }
-    return Solution(tuple(policies), tracer(policies), name, reasons[name], (name,) * len(policies))
+    names = (name,) * len(policies)
+    return Solution(tuple(policies), tracer(policies), name, reasons[name], Proof.HEURISTIC, names)
 
 
 def solve(
@@ -254,7 +257,9 @@ def solve(
     if problem.baseline.peak_bytes <= budget_bytes:  # nothing to recompute: nothing is cheaper
         n = len(problem.blocks)
         reason = "every block runs eagerly (no checkpoint): the step fits the budget as it is"
-        return Solution((None,) * n, problem.baseline, "auto", reason, ("eager",) * n)
+        return Solution(
+            (None,) * n, problem.baseline, "auto", reason, Proof.OPTIMAL, ("eager",) * n
+        )
     t0 = time.perf_counter()
     progress = config.progress or (lambda _: None)
     chain, traced = _chain(problem, tracer, budget_bytes, config, t0 + config.time_limit_s)
@@ -338,7 +343,10 @@ def _chain(
         f"chain DP over {n} blocks ({n_opts} options per class, {len(found)} plans traced "
         f"on FakeTensors): {summary}"
     )
-    return Solution(tuple(policies(choice)), trace, "auto", reason, tuple(names)), len(found)
+    chosen = Solution(
+        tuple(policies(choice)), trace, "auto", reason, Proof.NEIGHBOURHOOD, tuple(names)
+    )
+    return chosen, len(found)
 
 
 def planned(
@@ -365,7 +373,9 @@ def planned(
         trace = tracer(policies)
         if budget_bytes is None or trace.peak_bytes <= budget_bytes:
             names = (f"{solver} policy",) * len(policies)
-            return Solution(policies, trace, solver, f"{plan.reason}; traced", names)
+            # Solved again for less than the budget: the proof was for another budget.
+            proof = plan.proof if target == budget_bytes else Proof.HEURISTIC
+            return Solution(policies, trace, solver, f"{plan.reason}; traced", proof, names)
         peaks.append(trace.peak_bytes)
         if config.progress:
             config.progress(
@@ -455,6 +465,7 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
         saved=frozenset(saved),
         solver=f"native:{solution.solver}",
         reason=solution.reason,
+        proof=solution.proof,
         decisions=decisions,
         schedule=schedule,
         simulation=simulation,

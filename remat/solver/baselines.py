@@ -19,7 +19,7 @@ from remat.problem import Problem, Role
 from remat.solver.blocks import block_of
 from remat.solver.config import SolverConfig
 from remat.solver.fixed import fixed_saved_set, must_save
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan
 
 _MATMULS = frozenset({"aten.bmm.default", "aten.mm.default", "aten.baddbmm.default"})
 
@@ -27,7 +27,9 @@ _MATMULS = frozenset({"aten.bmm.default", "aten.mm.default", "aten.baddbmm.defau
 def _fixed(name: str, reason: str) -> Callable[..., Plan]:
     def solve(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
         why = fixed_saved_set(problem, name)
-        return make_plan(problem, why, solver=name, reason=reason, why_saved=why)
+        return make_plan(
+            problem, why, solver=name, reason=reason, proof=Proof.HEURISTIC, why_saved=why
+        )
 
     solve.__name__ = name
     solve.__doc__ = f"The fixed plan {name!r} (see remat.solver.fixed)."
@@ -67,6 +69,7 @@ def block_checkpoint(problem: Problem, *, budget_bytes: int | None, config: Solv
         why,
         solver="block",
         reason=f"{n_blocks} blocks fully checkpointed (inputs kept, internals recomputed)",
+        proof=Proof.HEURISTIC,
         why_saved=why,
     )
 
@@ -111,4 +114,6 @@ def megatron_selective(problem: Problem, *, budget_bytes: int | None, config: So
         if scores
         else "no explicit attention scores (fused attention): same as keep_all"
     )
-    return make_plan(problem, why, solver="megatron", reason=reason, why_saved=why)
+    return make_plan(
+        problem, why, solver="megatron", reason=reason, proof=Proof.HEURISTIC, why_saved=why
+    )

@@ -57,7 +57,7 @@ from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
 from remat.solver.milp import exact, min_peak
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan, proven
 from remat.solver.simulate import Simulation
 from remat.solver.structure import BALLAST, Structure, block_problem, find_structure
 
@@ -143,7 +143,9 @@ def chain_menu(problem: Problem, config: SolverConfig) -> ChainMenu:
 
     n_opts = max(len(m) for m in menus.values())
     uniform = [
-        make_plan(problem, stitch([o] * len(blocks)), solver="chain", reason="")
+        make_plan(
+            problem, stitch([o] * len(blocks)), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
+        )
         for o in range(n_opts)
     ]
     return ChainMenu(structure, menus, options_of, stitch, uniform)
@@ -181,7 +183,9 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
             step *= 2
             continue
         tried.add(key)
-        plan = make_plan(problem, stitch(found), solver="chain", reason="")
+        plan = make_plan(
+            problem, stitch(found), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
+        )
         over = plan.predicted_peak_bytes - target
         if over <= 0:
             best, best_choice = plan, found
@@ -240,7 +244,10 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         bound = min(bound, best.recompute_time_s)  # solver tolerances
         reason += f", lower bound {bound * 1e3:.4g} ms (where the backward starts)"
     reason += f", {time.perf_counter() - t0:.1f} s"
-    return dataclasses.replace(best, solver="chain", reason=reason, lower_bound_s=bound)
+    plan = dataclasses.replace(
+        best, solver="chain", reason=reason, proof=Proof.NEIGHBOURHOOD, lower_bound_s=bound
+    )
+    return dataclasses.replace(plan, proof=proven(plan))
 
 
 def _refine(
@@ -359,7 +366,9 @@ def _repair(
             if time.perf_counter() > deadline:
                 return found
             trial = [*choice[:k], o, *choice[k + 1 :]]
-            plan = make_plan(problem, stitch(trial), solver="chain", reason="")
+            plan = make_plan(
+                problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
+            )
             if plan.predicted_peak_bytes <= target and (
                 found is None or plan.recompute_time_s < found[0].recompute_time_s
             ):
@@ -392,7 +401,9 @@ def _local_search(
                 if time.perf_counter() > deadline:
                     return plan
                 trial = [*choice[:k], o, *choice[k + 1 :]]
-                candidate = make_plan(problem, stitch(trial), solver="chain", reason="")
+                candidate = make_plan(
+                    problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
+                )
                 if (
                     candidate.predicted_peak_bytes <= target
                     and candidate.recompute_time_s < plan.recompute_time_s
@@ -451,23 +462,34 @@ def _menu(
     per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
     deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
     keep_all = make_plan(
-        sub, sub.backward_reads | set(must_save(sub)), solver="keep_all", reason=""
+        sub,
+        sub.backward_reads | set(must_save(sub)),
+        solver="keep_all",
+        reason="",
+        proof=Proof.HEURISTIC,
     )
-    plans = [keep_all, make_plan(sub, must_save(sub), solver="keep_inputs", reason="")]
+    plans = [
+        keep_all,
+        make_plan(sub, must_save(sub), solver="keep_inputs", reason="", proof=Proof.HEURISTIC),
+    ]
     # Options trading what the block keeps for the later blocks' backward against time: with a
     # ballast above the block's own backward peak, the budget bounds the bytes kept. First
     # across the whole range, then walking the Pareto front down from keep-all (each solve
     # asking for less than the last plan kept) while time remains.
     heavy = block_problem(problem, block, keep_all.predicted_peak_bytes)
-    top = make_plan(heavy, keep_all.saved, solver="", reason="").predicted_peak_bytes
-    bottom = make_plan(heavy, must_save(heavy), solver="", reason="").predicted_peak_bytes
+    top = make_plan(
+        heavy, keep_all.saved, solver="", reason="", proof=Proof.HEURISTIC
+    ).predicted_peak_bytes
+    bottom = make_plan(
+        heavy, must_save(heavy), solver="", reason="", proof=Proof.HEURISTIC
+    ).predicted_peak_bytes
 
     def solve_heavy(budget: int) -> int | None:
         try:
             p = exact(heavy, budget_bytes=budget, config=per)
         except (BudgetError, RuntimeError):
             return None
-        plans.append(make_plan(sub, p.saved - {BALLAST}, solver="exact", reason=""))
+        plans.append(make_plan(sub, p.saved - {BALLAST}, solver="exact", reason="", proof=p.proof))
         return p.predicted_peak_bytes
 
     for k in range(1, 2 * MENU_POINTS):

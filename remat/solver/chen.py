@@ -21,7 +21,7 @@ import networkx as nx
 from remat.problem import Problem, Role
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan
 
 
 def checkpoint_candidates(problem: Problem) -> list[str]:
@@ -92,7 +92,9 @@ def _cuts_between(g: nx.Graph, source: str, sink: str) -> set[str]:
 
 def _plan(problem: Problem, checkpoints: list[str], solver: str, reason: str) -> Plan:
     why = {c: "saved: segment checkpoint" for c in checkpoints} | must_save(problem)
-    return make_plan(problem, why, solver=solver, reason=reason, why_saved=why)
+    return make_plan(
+        problem, why, solver=solver, reason=reason, proof=Proof.HEURISTIC, why_saved=why
+    )
 
 
 def chen_sqrt(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:

@@ -19,7 +19,7 @@ import dataclasses
 import time
 
 from remat.problem import Problem, Role
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan
 from remat.solver.schedule import InvalidPlanError
 
 WIDTH = 8
@@ -63,7 +63,9 @@ def descend(
                     continue
                 tried.add(saved)
                 try:
-                    trial = make_plan(problem, saved, solver=start.solver, reason="")
+                    trial = make_plan(
+                        problem, saved, solver=start.solver, reason="", proof=Proof.HEURISTIC
+                    )
                 except InvalidPlanError:
                     continue
                 lowered = plan.predicted_peak_bytes - trial.predicted_peak_bytes
@@ -82,6 +84,7 @@ def descend(
     return dataclasses.replace(  # already simulated: only named
         plan,
         solver=f"descent({start.solver})",
+        proof=Proof.HEURISTIC,
         reason=f"{start.solver}'s plan ({start.predicted_peak_bytes:,} B) with {steps} more "
         f"value(s) recomputed until it fit (greedy peak descent)",
     )

@@ -10,6 +10,7 @@ simulation rather than a second LP. The cheapest rounded plan whose simulated pe
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -21,7 +22,7 @@ from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set
 from remat.solver.milp import BelowFloor, _budget_error, _least_plan, _Model
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan, proven
 
 RANDOM_ROUNDINGS = 16
 
@@ -29,7 +30,11 @@ RANDOM_ROUNDINGS = 16
 def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The cheapest rounding of the LP relaxation that fits ``budget_bytes``."""
     keep_all = make_plan(
-        problem, fixed_saved_set(problem, "keep_all"), solver="lp_round", reason=""
+        problem,
+        fixed_saved_set(problem, "keep_all"),
+        solver="lp_round",
+        reason="",
+        proof=Proof.OPTIMAL,
     )
     if budget_bytes is None or keep_all.predicted_peak_bytes <= budget_bytes:
         return make_plan(
@@ -37,6 +42,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
             keep_all.saved,
             solver="lp_round",
             reason="lp_round: keep_all fits, no recomputation needed (optimal)",
+            proof=Proof.OPTIMAL,
             lower_bound_s=0.0,
         )
     t0 = time.perf_counter()
@@ -55,13 +61,15 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
     if (
         not model.lp.numConstraints()
     ):  # nothing to decide (e.g. the backward reads random values only)
-        return make_plan(
+        only = make_plan(
             problem,
             fixed_saved_set(problem, "keep_inputs"),
             solver="lp_round",
             reason="lp_round: no choice to make",
+            proof=Proof.HEURISTIC,
             lower_bound_s=0.0,
         )
+        return dataclasses.replace(only, proof=proven(only))
     model.lp.solve(backend(config, max(1.0, deadline - time.perf_counter()), {}))
     if model.lp.status != pulp.LpStatusOptimal:
         status = pulp.LpStatus[model.lp.status]
@@ -90,7 +98,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
         if saved in seen:
             continue
         seen.add(saved)
-        plan = make_plan(small, saved, solver="lp_round", reason="")
+        plan = make_plan(small, saved, solver="lp_round", reason="", proof=Proof.HEURISTIC)
         peak = plan.predicted_peak_bytes
         least_peak = peak if least_peak is None else min(least_peak, peak)
         if peak > budget_bytes:
@@ -109,4 +117,13 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
         f"lp_round: best of {len(seen)} roundings of the LP relaxation, "
         f"LP lower bound {bound * 1e3:.4g} ms, {time.perf_counter() - t0:.1f} s"
     )
-    return make_plan(problem, best.saved, solver="lp_round", reason=reason, lower_bound_s=bound)
+    plan = make_plan(
+        problem,
+        best.saved,
+        solver="lp_round",
+        reason=reason,
+        proof=Proof.HEURISTIC,
+        lower_bound_s=bound,
+    )
+    # A rounding that meets the LP's bound is optimal.
+    return dataclasses.replace(plan, proof=proven(plan))

@@ -47,7 +47,7 @@ from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan
 from remat.solver.simulate import Simulation
 
 SAVED, UNUSED = "<saved>", "<unused>"
@@ -633,7 +633,13 @@ def exact(
     records no lower bound, since it proves nothing about plans outside it. Needs a ``start``
     that fits.
     """
-    keep_all = make_plan(problem, fixed_saved_set(problem, "keep_all"), solver="exact", reason="")
+    keep_all = make_plan(
+        problem,
+        fixed_saved_set(problem, "keep_all"),
+        solver="exact",
+        reason="",
+        proof=Proof.OPTIMAL,
+    )
     fits = budget_bytes is not None and keep_all.predicted_peak_bytes <= budget_bytes
     if budget_bytes is None or (fits and free is None):
         return dataclasses.replace(
@@ -649,7 +655,8 @@ def exact(
 
 
 def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) -> Plan:
-    """The plan with the least simulated peak (recompute time not optimised)."""
+    """The plan with the least simulated peak (recompute time not optimised). Its ``proof`` is
+    about that peak: :attr:`Proof.OPTIMAL` when the MILP proved it least."""
     return _solve(problem, None, config, start)
 
 
@@ -669,7 +676,9 @@ def _solve(
     small_start = None
     fix: dict[str, str] = {}
     if start is not None:
-        small_start = make_plan(problem, comp.lower(start.saved), solver=start.solver, reason="")
+        small_start = make_plan(
+            problem, comp.lower(start.saved), solver=start.solver, reason="", proof=start.proof
+        )
         if free is not None:
             movable = {comp.leader(comp.rep.get(n, n)) for n in free}
             kept = small_start.saved | comp.lower(start.saved)
@@ -687,7 +696,9 @@ def _solve(
     except ModelTimeout as e:
         if start is None or budget_bytes is None:
             raise
-        return dataclasses.replace(start, reason=f"exact MILP: {e}; kept {start.solver}")
+        return dataclasses.replace(
+            start, reason=f"exact MILP: {e}; kept {start.solver}", proof=Proof.TIME_LIMIT
+        )
     floor = model.floor
     what = "least recompute time" if budget_bytes is not None else "least peak"
     if model.budget_var is not None:
@@ -699,6 +710,7 @@ def _solve(
                     solver="exact",
                     reason=f"exact ({what}): {start.solver}'s plan reaches the plan-independent "
                     "floor (optimal)",
+                    proof=Proof.OPTIMAL,
                 )
             model.budget_var.upBound = start.predicted_peak_bytes
     rounds = 0
@@ -723,6 +735,7 @@ def _solve(
                 return dataclasses.replace(
                     start,
                     reason=f"exact MILP found nothing better in time; kept {start.solver}",
+                    proof=Proof.TIME_LIMIT,
                     lower_bound_s=_cost_bound(model) if free is None else start.lower_bound_s,
                 )
             least = _least_plan(original, config, None)
@@ -734,11 +747,12 @@ def _solve(
                     solver="exact",
                     reason=f"exact MILP found no plan for the budget ({status}); its least-peak "
                     "plan fits it (recompute time not optimised)",
+                    proof=Proof.HEURISTIC,
                     lower_bound_s=None,
                 )
             raise _budget_error(budget_bytes, floor, least)
         saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
-        plan = make_plan(problem, saved, solver="exact", reason="")
+        plan = make_plan(problem, saved, solver="exact", reason="", proof=Proof.TIME_LIMIT)
         sim = plan.simulation
         target = float(budget_bytes if budget_bytes is not None else pulp.value(model.M))
         if sim.peak_bytes <= target + 0.5:
@@ -796,8 +810,10 @@ def _solve(
         if bound is not None
         else "time limit hit"
     )
+    proven = Proof.OPTIMAL if optimal else Proof.TIME_LIMIT
     if free is not None:  # optimal within the neighbourhood only
         proof = "optimal in the neighbourhood" if optimal else "time limit hit"
+        proven = Proof.NEIGHBOURHOOD if optimal else Proof.TIME_LIMIT
         what += f", {len(model.fwd) - len(fix)} of {len(model.fwd)} values free"
         bound = None
     reason = (
@@ -807,7 +823,9 @@ def _solve(
         + (f"; solved for {margin:,} B under the budget (solver tolerance)" if margin else "")
     )
     time_bound = bound if budget_bytes is not None else None
-    plan = make_plan(original, saved, solver="exact", reason=reason, lower_bound_s=time_bound)
+    plan = make_plan(
+        original, saved, solver="exact", reason=reason, proof=proven, lower_bound_s=time_bound
+    )
     if plan.predicted_peak_bytes != sim.peak_bytes:
         raise RuntimeError(
             f"exact MILP: the compressed problem simulates a peak of {sim.peak_bytes:,} B but "
@@ -823,6 +841,7 @@ def _out_of_time(start: Plan | None, bound: float | None, what: str) -> Plan:
     return dataclasses.replace(
         start,
         reason=f"exact MILP ran out of time after {what}; kept {start.solver}",
+        proof=Proof.TIME_LIMIT,
         lower_bound_s=bound,
     )
 

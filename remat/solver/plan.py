@@ -7,6 +7,7 @@ reason for every decision, so a report can say why each value is kept or recompu
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -14,6 +15,26 @@ from remat.problem import Problem
 from remat.solver.executor import executor_of
 from remat.solver.schedule import Schedule
 from remat.solver.simulate import Simulation, simulate
+
+
+class Proof(str, enum.Enum):
+    """What the solver proved about a plan's recompute time under the budget it was solved
+    for. Read it from :attr:`Plan.proof`, never from the reason text."""
+
+    OPTIMAL = "optimal"
+    """Proven least recompute time, for the executor and the budget: the exact MILP solved to
+    optimality (within HiGHS's tolerances), a plan that recomputes nothing, or a plan whose
+    cost meets a proven lower bound."""
+    NEIGHBOURHOOD = "neighbourhood"
+    """Optimal only within a restricted set of plans: the chain DP over per-block menus, or the
+    exact MILP with only some values free (``exact(..., free=)``). Nothing is claimed about
+    plans outside it."""
+    TIME_LIMIT = "time_limit"
+    """An optimizing solver stopped by its time limit: the best plan it had (maybe its start),
+    with its dual bound in :attr:`Plan.lower_bound_s` when it has one."""
+    HEURISTIC = "heuristic"
+    """Rule-based or greedy (baselines, peak descent, roundings of the LP relaxation), or not
+    known (a plan file written before plans recorded their proof): no optimality claim."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +45,8 @@ class Plan:
     solver: str
     reason: str
     """Why this plan was chosen, in one sentence."""
+    proof: Proof
+    """What is proven about its recompute time (:class:`Proof`)."""
     decisions: Mapping[str, str]
     """For every forward value the backward reads (directly or to recompute): why it is saved
     or recomputed."""
@@ -76,7 +99,7 @@ class Plan:
             f"(at {sim.peak_step}); saved for backward {_fmt_bytes(sim.saved_bytes)} "
             f"in {len(self.schedule.saved)} values; {len(self.schedule.recomputed)} ops "
             f"recomputed, {sim.recompute_flops / 1e9:.3f} GFLOP, "
-            f"{overhead:.1%} of the estimated step time. {self.reason}"
+            f"{overhead:.1%} of the estimated step time; {self.proof.value}. {self.reason}"
         )
 
 
@@ -86,6 +109,7 @@ def make_plan(
     *,
     solver: str,
     reason: str,
+    proof: Proof,
     why_saved: Mapping[str, str] | None = None,
     lower_bound_s: float | None = None,
 ) -> Plan:
@@ -101,11 +125,22 @@ def make_plan(
         saved=executor.kept(problem, saved_set, schedule),
         solver=solver,
         reason=reason,
+        proof=proof,
         decisions=decisions,
         schedule=schedule,
         simulation=simulate(problem, schedule),
         lower_bound_s=lower_bound_s,
     )
+
+
+def proven(plan: Plan) -> Proof:
+    """``plan``'s proof, or :attr:`Proof.OPTIMAL` when its recompute time meets its proven
+    lower bound (or is zero: no plan costs less)."""
+    cost = plan.recompute_time_s
+    bound = plan.lower_bound_s
+    if cost == 0 or (bound is not None and cost <= bound * (1 + 1e-9) + 1e-12):
+        return Proof.OPTIMAL
+    return plan.proof
 
 
 def _fmt_bytes(n: float) -> str:

@@ -28,7 +28,7 @@ from remat.solver.descent import descend
 from remat.solver.executor import executor_of
 from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact
-from remat.solver.plan import Plan
+from remat.solver.plan import Plan, Proof, proven
 from remat.solver.spans import solve_spans
 
 
@@ -263,7 +263,9 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
     bound = _max_lower_bound([*fitting, found])
     if best is not None and best.recompute_time_s <= found.recompute_time_s:
         why = f"{best.reason}; the exact MILP found nothing cheaper ({found.reason})"
-        found = best
+        # As cheap as the MILP's plan: as optimal as it, if it was proven.
+        proof = Proof.OPTIMAL if found.proof is Proof.OPTIMAL else best.proof
+        found = dataclasses.replace(best, proof=proof)
     else:
         why = found.reason
     if bound is not None:
@@ -304,7 +306,9 @@ def least_peak(problem: Problem, name: str, config: SolverConfig | None = None) 
 
 
 def _with_reason(plan: Plan, solver: str, reason: str) -> Plan:
-    return dataclasses.replace(plan, solver=solver, reason=reason)
+    """``auto``'s plan: the winner's, renamed, with its proof (:attr:`Proof.OPTIMAL` when its
+    cost meets the best lower bound any solver proved)."""
+    return dataclasses.replace(plan, solver=solver, reason=reason, proof=proven(plan))
 
 
 def solve(

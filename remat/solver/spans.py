@@ -32,7 +32,7 @@ from remat.problem import Problem
 from remat.solver.backend import backend, objective_scale
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import Lifetimes, executor_of
-from remat.solver.plan import Plan, make_plan
+from remat.solver.plan import Plan, Proof, make_plan, proven
 
 ROUNDS = 8
 """Solves per call, each for a budget smaller by the last plan's simulated excess."""
@@ -183,8 +183,15 @@ def solve_spans(
     lt = ex.lifetimes(problem)
     everything = {c.name for c in lt.candidates if not c.whole_group} | lt.forced
     if budget_bytes is None:
-        return make_plan(problem, everything, solver=name, reason="no budget: keep every candidate")
-    least = make_plan(problem, lt.forced, solver=name, reason="")
+        plan = make_plan(
+            problem,
+            everything,
+            solver=name,
+            reason="no budget: keep every candidate",
+            proof=Proof.HEURISTIC,
+        )
+        return dataclasses.replace(plan, proof=proven(plan))
+    least = make_plan(problem, lt.forced, solver=name, reason="", proof=Proof.HEURISTIC)
     target = budget_bytes
     held = _Held(lt)
     deadline = t0 + config.time_limit_s
@@ -207,7 +214,12 @@ def solve_spans(
         plans = []
         for level in levels:
             kept = {c.name for c, x in zip(lt.candidates, values, strict=True) if x >= level}
-            plans.append(make_plan(problem, kept | lt.forced, solver=name, reason=reason))
+            # Solved to a relative gap, and maybe for less than the budget: no proof.
+            plans.append(
+                make_plan(
+                    problem, kept | lt.forced, solver=name, reason=reason, proof=Proof.HEURISTIC
+                )
+            )
         fitting = [p for p in plans if p.predicted_peak_bytes <= budget_bytes]
         if config.progress:
             config.progress(

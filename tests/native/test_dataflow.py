@@ -20,7 +20,7 @@ from remat.graph.profiles import get_profile
 from remat.meter import measure_step
 from remat.native import planner, regions
 from remat.native.trace import FakeModel
-from remat.solver.plan import make_plan
+from remat.solver.plan import Proof, make_plan
 from tests.checks import assert_trains_like_eager
 from tests.zoo import NATIVE_ZOO, Case
 
@@ -41,7 +41,7 @@ def test_the_dataflow_reproduces_the_eager_step_to_the_byte(name: str) -> None:
     problem, _ = _problem(CASES[name])
     sac = problem.dataflow
     eager = {f"{path}:eager" for path in problem.blocks}
-    plan = make_plan(sac, eager, solver="t", reason="")
+    plan = make_plan(sac, eager, solver="t", reason="", proof=Proof.HEURISTIC)
     assert plan.predicted_peak_bytes == problem.baseline.peak_bytes
     assert plan.recomputed == ()
     assert eager <= plan.saved

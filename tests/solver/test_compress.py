@@ -11,14 +11,14 @@ from hypothesis import given, settings
 
 import remat
 from remat.problem import Problem, Role
-from remat.solver import make_plan
+from remat.solver import Proof, make_plan
 from remat.solver.compress import compress
 from tests.solver.test_schedule_properties import problems
 from tests.zoo import ZOO
 
 
 def _outcome(problem: Problem, saved: frozenset[str]) -> tuple[int, float, float]:
-    sim = make_plan(problem, saved, solver="t", reason="").simulation
+    sim = make_plan(problem, saved, solver="t", reason="", proof=Proof.HEURISTIC).simulation
     return sim.peak_bytes, round(sim.recompute_time_s, 12), round(sim.step_time_s, 12)
 
 
@@ -30,7 +30,7 @@ def _check(problem: Problem, rng: random.Random, trials: int) -> None:
     for _ in range(trials):
         q = rng.random()
         drawn = frozenset({n for n in fwd if rng.random() < q} | rand)
-        plan = make_plan(problem, drawn, solver="t", reason="")
+        plan = make_plan(problem, drawn, solver="t", reason="", proof=Proof.HEURISTIC)
         saved = plan.saved  # what the backward reads
         lowered = comp.lower(saved)
         # The lowered plan runs the same on both problems...

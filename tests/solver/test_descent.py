@@ -8,7 +8,7 @@ import time
 from hypothesis import given, settings
 
 from remat.problem import Problem
-from remat.solver import make_plan
+from remat.solver import Proof, make_plan
 from remat.solver.config import SolverConfig
 from remat.solver.descent import descend
 from remat.solver.registry import _descents, solve
@@ -35,7 +35,7 @@ def test_a_descent_fits_and_never_beats_the_optimum(
             continue
         build_schedule(prob, plan.saved)  # runnable
         assert plan.predicted_peak_bytes <= budget
-        again = make_plan(prob, plan.saved, solver="x", reason="")
+        again = make_plan(prob, plan.saved, solver="x", reason="", proof=Proof.HEURISTIC)
         assert again.predicted_peak_bytes == plan.predicted_peak_bytes
         if results is not None:
             best = optimum(results, budget)

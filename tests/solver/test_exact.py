@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from remat.problem import Problem, Role
-from remat.solver import make_plan
+from remat.solver import Proof, make_plan
 from remat.solver.checkmate import checkmate_bound
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
@@ -32,7 +32,9 @@ def brute_force(prob: Problem) -> list[tuple[float, int]]:
     for k in range(len(free) + 1):
         for subset in itertools.combinations(free, k):
             try:
-                plan = make_plan(prob, set(subset) | random, solver="bf", reason="")
+                plan = make_plan(
+                    prob, set(subset) | random, solver="bf", reason="", proof=Proof.HEURISTIC
+                )
             except InvalidPlanError:
                 continue
             out.append((plan.recompute_time_s, plan.predicted_peak_bytes))
@@ -184,12 +186,21 @@ def test_neighbourhood_solves_stay_within_their_neighbourhood(
     # without a model).
     for budget in [b for b in sorted({peak for _, peak in results}) if b < keep_all][:2]:
         start = min(
-            (make_plan(prob, s, solver="start", reason="") for s in _subsets(prob)),
+            (
+                make_plan(prob, s, solver="start", reason="", proof=Proof.HEURISTIC)
+                for s in _subsets(prob)
+            ),
             key=lambda p: (p.predicted_peak_bytes > budget, -p.recompute_time_s),
         )
         # In the compressed problem's terms (a saved view becomes its base, a saved folded
         # value its consumer: never worse), which is what the MILP fixes.
-        start = make_plan(prob, compress(prob).lower(start.saved), solver="start", reason="")
+        start = make_plan(
+            prob,
+            compress(prob).lower(start.saved),
+            solver="start",
+            reason="",
+            proof=Proof.HEURISTIC,
+        )
         if start.predicted_peak_bytes > budget:
             continue
         none = exact(prob, budget_bytes=budget, config=CONFIG, start=start, free=())
@@ -265,7 +276,7 @@ def test_a_warm_start_does_not_hide_a_cheaper_plan() -> None:
     ]
     prob = dataclasses.replace(problem(specs, ("f4",), ("b4",)), grads_held=True)
     budget = 5 * MiB
-    start = make_plan(prob, frozenset(), solver="start", reason="")
+    start = make_plan(prob, frozenset(), solver="start", reason="", proof=Proof.HEURISTIC)
     assert start.predicted_peak_bytes <= budget and start.recompute_time_s == 4.0
     best = optimum(brute_force(prob), budget)
     assert best == 1.0

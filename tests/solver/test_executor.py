@@ -15,7 +15,7 @@ from remat.problem import Problem, Role, Value
 from remat.solver import registry, spans
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import NO_CHECKPOINT, SAC, Lifetimes, schedule_of
-from remat.solver.plan import make_plan
+from remat.solver.plan import Proof, make_plan
 from remat.solver.simulate import simulate
 from remat.solver.spans import _Held, _solve_lazily
 
@@ -98,10 +98,13 @@ def test_regions_replay_at_their_first_backward_op_and_hold_their_inputs() -> No
 
 def test_a_region_without_checkpoint_replays_nothing() -> None:
     problem = sac_chain(1)
-    plan = make_plan(problem, {"blocks.1:eager"}, solver="t", reason="")
+    plan = make_plan(problem, {"blocks.1:eager"}, solver="t", reason="", proof=Proof.HEURISTIC)
     assert not any(problem.by_name[n].region == "blocks.1" for n in plan.recomputed)
     assert "blocks.1:eager" in plan.saved
-    assert plan.recompute_time_s < make_plan(problem, (), solver="t", reason="").recompute_time_s
+    assert (
+        plan.recompute_time_s
+        < make_plan(problem, (), solver="t", reason="", proof=Proof.HEURISTIC).recompute_time_s
+    )
 
 
 def test_kept_values_are_not_replayed_and_savable_only() -> None:
@@ -109,7 +112,11 @@ def test_kept_values_are_not_replayed_and_savable_only() -> None:
     candidates = SAC.candidates(problem)
     everything = {v.name for v in problem.values if v.region and v.role is Role.FORWARD}
     plan = make_plan(
-        problem, everything - {f"blocks.{r}:eager" for r in (0, 1)}, solver="t", reason=""
+        problem,
+        everything - {f"blocks.{r}:eager" for r in (0, 1)},
+        solver="t",
+        reason="",
+        proof=Proof.HEURISTIC,
     )
     assert plan.saved <= candidates
     assert not set(plan.recomputed) & plan.saved
@@ -124,7 +131,9 @@ def test_lifetimes_bound_each_single_choice_and_are_exact_for_regions(seed: int)
     problem = sac_chain(seed, regions=3, ops=3)
     lt = SAC.lifetimes(problem)  # type: ignore[misc]
     for c in lt.candidates:
-        simulated = make_plan(problem, {c.name}, solver="t", reason="").predicted_peak_bytes
+        simulated = make_plan(
+            problem, {c.name}, solver="t", reason="", proof=Proof.HEURISTIC
+        ).predicted_peak_bytes
         if c.whole_group:
             assert _model_peak(lt, {c.name}) == simulated, c.name
         else:
@@ -161,7 +170,9 @@ def test_spans_milp_is_the_brute_force_optimum_of_its_model(
 
 def test_solvers_plan_for_the_sac_executor_within_the_budget() -> None:
     problem = sac_chain(3, regions=3, ops=4)
-    least = make_plan(problem, (), solver="t", reason="").predicted_peak_bytes
+    least = make_plan(
+        problem, (), solver="t", reason="", proof=Proof.HEURISTIC
+    ).predicted_peak_bytes
     most = registry.solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
     budget = (least + most) // 2
     costs = {}

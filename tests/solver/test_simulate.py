@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from remat.problem import Role
-from remat.solver import InvalidPlanError, build_schedule, make_plan, simulate
+from remat.solver import InvalidPlanError, Proof, build_schedule, make_plan, simulate
 from tests.solver.builders import MiB, chain, external, op, problem
 
 
 def test_keep_all_on_the_chain() -> None:
     # forward: a(1) b(2) out(3); tangent: 4; gb: 5, frees b -> 4; ga: 5, frees gb, a -> 3; gw: 4
-    p = make_plan(chain(), {"a", "b"}, solver="test", reason="")
+    p = make_plan(chain(), {"a", "b"}, solver="test", reason="", proof=Proof.HEURISTIC)
     assert p.schedule.forward == ("a", "b", "out")
     assert p.schedule.backward == ("gb", "ga", "gw")
     assert p.schedule.recomputed == ()
@@ -25,7 +25,7 @@ def test_keep_all_on_the_chain() -> None:
 def test_keep_nothing_recomputes_once_in_graph_order() -> None:
     # forward: a(1) b(2, a freed) out(2, b freed) -> out=1; tangent 2;
     # recompute a(3) b(4); gb(5), frees b -> 4; ga(5) frees gb, a -> 3; gw(4)
-    p = make_plan(chain(), set(), solver="test", reason="")
+    p = make_plan(chain(), set(), solver="test", reason="", proof=Proof.HEURISTIC)
     assert p.schedule.saved == ()
     assert p.schedule.backward == ("a", "b", "gb", "ga", "gw")
     assert p.schedule.recomputed == ("a", "b")
@@ -60,7 +60,7 @@ def test_saving_a_view_keeps_its_base_storage() -> None:
         user_outputs=("out",),
         grads=("g",),
     )
-    p = make_plan(prob, {"v"}, solver="test", reason="")
+    p = make_plan(prob, {"v"}, solver="test", reason="", proof=Proof.HEURISTIC)
     assert p.saved_bytes == MiB
     # forward a(1) v(1) out(2); tangent 3; g 4 (v freed -> a's storage freed) -> 3
     assert p.predicted_peak_bytes == 4 * MiB
@@ -78,7 +78,7 @@ def test_user_output_also_saved_is_not_freed_by_the_backward() -> None:
         user_outputs=("out",),
         grads=("g",),
     )
-    p = make_plan(prob, {"out"}, solver="test", reason="")
+    p = make_plan(prob, {"out"}, solver="test", reason="", proof=Proof.HEURISTIC)
     # out(1); tangent 2; g 3; out stays held by the caller after its last backward use.
     assert p.predicted_peak_bytes == 3 * MiB
     assert p.simulation.timeline[-1].live_bytes == 3 * MiB
@@ -103,7 +103,7 @@ def test_tuple_outputs_live_while_any_part_is_held() -> None:
         user_outputs=("out",),
         grads=("g",),
     )
-    p = make_plan(prob, {"stats"}, solver="test", reason="")
+    p = make_plan(prob, {"stats"}, solver="test", reason="", proof=Proof.HEURISTIC)
     # ln(2) y(2) stats(2, tuple freed: both parts still held) out(3, y freed -> 2)
     # tangent 3; g 4, stats freed -> 3
     assert [s.allocated_bytes // MiB for s in p.simulation.timeline] == [2, 2, 2, 3, 2, 3, 4]
