@@ -282,10 +282,22 @@ class _Model:
         return var
 
     def _build(self, budget: int | None) -> None:
-        p, lp, T = self.problem, self.lp, self.T
-        values = p.by_name
+        """The MILP, section by section: variables, dataflow, uses, no second copies, the
+        backward's memory, the forward's memory, the objective."""
         self.budget_var = self._var("peak", lowBound=0) if budget is None else None
-        M = self.budget_var if budget is None else budget
+        self.M = self.budget_var if budget is None else budget
+        self.cuts = 0
+        self._variables()
+        self._dataflow()
+        self._uses()
+        self._no_second_copies()
+        self._backward_memory()
+        self._forward_memory()
+        self._objective(budget)
+
+    def _variables(self) -> None:
+        """s (saved), R (recomputed at stage t) and their cumulative availability C."""
+        lp, values = self.lp, self.problem.by_name
         # A folded value is never saved and shares its consumer's recompute variables
         # (remat.solver.compress).
         self.s = {
@@ -330,14 +342,16 @@ class _Model:
             self.C_t[n] = [t for t, _ in self.R_of[n]]
             self.C[n] = chain
 
-        def avail(n: str, t: int, strict: bool = False) -> pulp.LpAffineExpression:
-            """Materialised by stage t (before it if strict)."""
-            if values[n].role in EXTERNAL_ROLES:
-                return pulp.lpSum([]) + 1
-            k = (bisect.bisect_left if strict else bisect.bisect_right)(self.C_t[n], t)
-            return pulp.lpSum([self.C[n][k - 1] if k else self.s[n]])
+    def avail(self, n: str, t: int, strict: bool = False) -> pulp.LpAffineExpression:
+        """Materialised by stage t (before it if strict)."""
+        if self.problem.by_name[n].role in EXTERNAL_ROLES:
+            return pulp.lpSum([]) + 1
+        k = (bisect.bisect_left if strict else bisect.bisect_right)(self.C_t[n], t)
+        return pulp.lpSum([self.C[n][k - 1] if k else self.s[n]])
 
-        self.avail = avail
+    def _dataflow(self) -> None:
+        """Each value computed once at most, available where read, recomputed only where used."""
+        lp, values, avail = self.lp, self.problem.by_name, self.avail
         for n in self.fwd:
             if n not in self.fold:
                 lp += self.s[n] + pulp.lpSum(v for _, v in self.R_of[n]) <= 1, f"once_{self.pos[n]}"
@@ -357,7 +371,9 @@ class _Model:
                 users = [self.R[c, t] for c in self.consumers[n] if (c, t) in self.R]
                 lp += var <= pulp.lpSum(users), f"need_{self.pos[n]}_{t}"
 
-        # B[h, t]: h is used at stage t or later (1 up to its last direct read).
+    def _uses(self) -> None:
+        """B[h, t]: h is used at stage t or later (1 up to its last direct read)."""
+        lp = self.lp
         self.B: dict[tuple[str, int], pulp.LpAffineExpression | float] = {}
         for n in self.fwd:
             hi = self.last_possible[n]
@@ -372,16 +388,16 @@ class _Model:
                         lp += var >= rc
                 self.B[n, t] = var
 
-        def used_from(n: str, t: int) -> pulp.LpAffineExpression | float:
-            if t <= self.last_direct[n]:
-                return 1.0
-            return self.B.get((n, t), 0.0)
+    def used_from(self, n: str, t: int) -> pulp.LpAffineExpression | float:
+        if t <= self.last_direct[n]:
+            return 1.0
+        return self.B.get((n, t), 0.0)
 
-        self.used_from = used_from
-
-        # No second copies (remat.solver.schedule): an op is not recomputed at t while another
-        # holder of a storage it allocates (a saved view, a view recomputed earlier, a backward
-        # value, the caller's user output) is materialised before t and still in use.
+    def _no_second_copies(self) -> None:
+        """No second copies (remat.solver.schedule): an op is not recomputed at t while another
+        holder of a storage it allocates (a saved view, a view recomputed earlier, a backward
+        value, the caller's user output) is materialised before t and still in use."""
+        lp, values, avail, used_from = self.lp, self.problem.by_name, self.avail, self.used_from
         for o in self.fwd:
             self._tick()
             for s in values[o].allocates:
@@ -394,7 +410,11 @@ class _Model:
                         if h == o or (isinstance(use, float) and use == 0.0):
                             continue
                         lp += avail(h, t, strict=True) + r + use <= 2
-        # Storage liveness at each stage's op (b_t) and in the gap before it.
+
+    def _backward_memory(self) -> None:
+        """Storage liveness at each stage's op (b_t) and in the gap before it, under M."""
+        p, lp, T, M = self.problem, self.lp, self.T, self.M
+        avail, used_from = self.avail, self.used_from
         total = 0
         at_op: list[list[tuple[int, pulp.LpVariable]]] = [[] for _ in range(T)]
         before: list[list[tuple[str, int, pulp.LpVariable]]] = [[] for _ in range(T)]
@@ -445,7 +465,10 @@ class _Model:
         if self.tail_max:
             lp += pulp.lpSum([]) + self.tail_max <= M, "mem_tail"
 
-        # Forward: saved storages outlive their natural death; optional ops run only if saved.
+    def _forward_memory(self) -> None:
+        """Forward: saved storages outlive their natural death; optional ops run only if saved."""
+        p, lp, M = self.problem, self.lp, self.M
+        values = p.by_name
         S = {s: self._var(f"S_{_safe(s)}", lowBound=0, upBound=1) for s in self.fwd_storages}
         for s, holders in self.fwd_storages.items():
             for h in holders:
@@ -491,9 +514,11 @@ class _Model:
                 extra += values[n].scratch_bytes * f[n]
             lp += self.fw_base[k] + running + extra <= M, f"mem_fw_{k}"
 
-        # Recompute time in nanoseconds: solvers' default absolute gaps (HiGHS: 1e-6) would
-        # swallow differences of microseconds expressed in seconds. Ties go to fewer saved
-        # bytes, with a total weight below the cheapest op's time.
+    def _objective(self, budget: int | None) -> None:
+        """Recompute time in nanoseconds: solvers' default absolute gaps (HiGHS: 1e-6) would
+        swallow differences of microseconds expressed in seconds. Ties go to fewer saved
+        bytes, with a total weight below the cheapest op's time."""
+        p, values = self.problem, self.problem.by_name
         self.scale = objective_scale([values[n].time_s for n, _ in self.R])
         cost = pulp.lpSum(self.scale * values[n].time_s * v for (n, _), v in self.R.items())
         cheapest = min(
@@ -506,10 +531,8 @@ class _Model:
         self.tie_max = sum(tie.values())
         """Largest value the tie-break can add to the objective (subtracted from bounds)."""
         small = pulp.lpSum(w * self.s[n] for n, w in tie.items())
-        lp += self.budget_var if budget is None else cost + small
+        self.lp += self.budget_var if budget is None else cost + small
         self.binaries = len({id(v) for v in self.R.values()}) + len(self.s) - len(self.fold)
-        self.M = M
-        self.cuts = 0
 
     def add_moment_cut(self, w: str, t: int) -> bool:
         """Exact live bytes at the moment ``w`` is recomputed in stage ``t`` (eager frees)."""
