@@ -44,7 +44,7 @@ import pulp
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
 from remat.solver.backend import backend, best_bound, objective_scale
-from remat.solver.compress import compress
+from remat.solver.compress import Compressed, compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set
 from remat.solver.plan import Plan, Proof, make_plan
@@ -696,21 +696,7 @@ def _solve(
     original = problem
     comp = compress(original)
     problem = comp.problem
-    small_start = None
-    fix: dict[str, str] = {}
-    if start is not None:
-        small_start = make_plan(
-            problem, comp.lower(start.saved), solver=start.solver, reason="", proof=start.proof
-        )
-        if free is not None:
-            movable = {comp.leader(comp.rep.get(n, n)) for n in free}
-            kept = small_start.saved | comp.lower(start.saved)
-            stage = _stage_ops(small_start)
-            fix = {
-                n: SAVED if n in kept else stage.get(n, UNUSED)
-                for n in problem.forward_names
-                if n not in movable
-            }
+    small_start, fix = _compressed_start(comp, start, free)
     try:
         model = _Model(problem, budget_bytes, comp.fold, fix, deadline)
     except BelowFloor as e:
@@ -750,30 +736,8 @@ def _solve(
         if model.lp.status == pulp.LpStatusInfeasible:  # confirmed without presolve
             left = max(1.0, deadline - time.perf_counter())
             model.lp.solve(backend(config, left, warm, probing=False, presolve=False))
-        status = pulp.LpStatus[model.lp.status]
         if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            if budget_bytes is None:
-                raise RuntimeError(f"exact MILP found no plan ({status}) within the time limit")
-            if start is not None:
-                return dataclasses.replace(
-                    start,
-                    reason=f"exact MILP found nothing better in time; kept {start.solver}",
-                    proof=Proof.TIME_LIMIT,
-                    lower_bound_s=_cost_bound(model) if free is None else start.lower_bound_s,
-                )
-            least = _least_plan(original, config, None)
-            if least is not None and least.predicted_peak_bytes <= budget_bytes:
-                # The budgeted model found nothing in time (or, at a budget equal to the least
-                # peak, lost it to the solver's tolerance), but the least-peak plan fits.
-                return dataclasses.replace(
-                    least,
-                    solver="exact",
-                    reason=f"exact MILP found no plan for the budget ({status}); its least-peak "
-                    "plan fits it (recompute time not optimised)",
-                    proof=Proof.HEURISTIC,
-                    lower_bound_s=None,
-                )
-            raise _budget_error(budget_bytes, floor, least)
+            return _no_solution(model, original, budget_bytes, config, start, free)
         saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
         plan = make_plan(problem, saved, solver="exact", reason="", proof=Proof.TIME_LIMIT)
         sim = plan.simulation
@@ -814,6 +778,84 @@ def _solve(
             bound = _cost_bound(model) if not margin and free is None else None
             what = f"{rounds} round(s) of cuts"
             return _out_of_time(start if budget_bytes is not None else None, bound, what)
+    rounds_text = f"{rounds} round(s), {time.perf_counter() - t0:.1f} s"
+    return _final_plan(
+        model, original, saved, sim, budget_bytes, what, rounds_text, margin, len(fix), free
+    )
+
+
+def _compressed_start(
+    comp: Compressed, start: Plan | None, free: Collection[str] | None
+) -> tuple[Plan | None, dict[str, str]]:
+    """The start plan on the compressed problem, and (with ``free``) the values fixed to
+    what it does: saved, or recomputed at the stage it recomputes them."""
+    if start is None:
+        return None, {}
+    problem = comp.problem
+    small_start = make_plan(
+        problem, comp.lower(start.saved), solver=start.solver, reason="", proof=start.proof
+    )
+    if free is None:
+        return small_start, {}
+    movable = {comp.leader(comp.rep.get(n, n)) for n in free}
+    kept = small_start.saved | comp.lower(start.saved)
+    stage = _stage_ops(small_start)
+    fix = {
+        n: SAVED if n in kept else stage.get(n, UNUSED)
+        for n in problem.forward_names
+        if n not in movable
+    }
+    return small_start, fix
+
+
+def _no_solution(
+    model: _Model,
+    original: Problem,
+    budget_bytes: int | None,
+    config: SolverConfig,
+    start: Plan | None,
+    free: Collection[str] | None,
+) -> Plan:
+    """The solver stopped without an integer solution: the start plan, or the least-peak plan
+    where it fits, or a :class:`BudgetError`."""
+    status = pulp.LpStatus[model.lp.status]
+    if budget_bytes is None:
+        raise RuntimeError(f"exact MILP found no plan ({status}) within the time limit")
+    if start is not None:
+        return dataclasses.replace(
+            start,
+            reason=f"exact MILP found nothing better in time; kept {start.solver}",
+            proof=Proof.TIME_LIMIT,
+            lower_bound_s=_cost_bound(model) if free is None else start.lower_bound_s,
+        )
+    least = _least_plan(original, config, None)
+    if least is not None and least.predicted_peak_bytes <= budget_bytes:
+        # The budgeted model found nothing in time (or, at a budget equal to the least
+        # peak, lost it to the solver's tolerance), but the least-peak plan fits.
+        return dataclasses.replace(
+            least,
+            solver="exact",
+            reason=f"exact MILP found no plan for the budget ({status}); its least-peak "
+            "plan fits it (recompute time not optimised)",
+            proof=Proof.HEURISTIC,
+            lower_bound_s=None,
+        )
+    raise _budget_error(budget_bytes, model.floor, least)
+
+
+def _final_plan(
+    model: _Model,
+    original: Problem,
+    saved: set[str],
+    sim: Simulation,
+    budget_bytes: int | None,
+    what: str,
+    rounds_text: str,
+    margin: int,
+    fixed: int,
+    free: Collection[str] | None,
+) -> Plan:
+    """The solved plan on the original problem, with what the solve proved."""
     optimal = model.lp.sol_status == pulp.LpSolutionOptimal
     # The objective is recompute nanoseconds with a budget, peak bytes without one.
     # A bound on objective = cost + tie-break is a bound on cost once the tie-break's largest
@@ -837,10 +879,10 @@ def _solve(
     if free is not None:  # optimal within the neighbourhood only
         proof = "optimal in the neighbourhood" if optimal else "time limit hit"
         proven = Proof.NEIGHBOURHOOD if optimal else Proof.TIME_LIMIT
-        what += f", {len(model.fwd) - len(fix)} of {len(model.fwd)} values free"
+        what += f", {len(model.fwd) - fixed} of {len(model.fwd)} values free"
         bound = None
     reason = (
-        f"exact MILP ({what}), {proof}, {rounds} round(s), {time.perf_counter() - t0:.1f} s, "
+        f"exact MILP ({what}), {proof}, {rounds_text}, "
         f"{model.binaries} binaries over {model.T} stages "
         f"({len(original.forward_names)} forward values compressed to {len(model.fwd)})"
         + (f"; solved for {margin:,} B under the budget (solver tolerance)" if margin else "")
