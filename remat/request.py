@@ -92,8 +92,11 @@ class Request:
             )
         for name in ("budget_bytes", "activation_budget_bytes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.plan is not None and (
             self.solver is not None or self.activation_budget_bytes is not None
         ):
