@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich import box
@@ -43,18 +44,23 @@ from remat.budget import (
     device_budget,
 )
 from remat.fit import FitReport, fit
-from remat.graph.profiles import PROFILE_NAMES
+from remat.graph.profiles import PROFILE_NAMES, get_profile
 from remat.models import TinyGPT
-from remat.native.api import apply, save_plan
+from remat.native.api import NATIVE_SOLVERS, apply, kv_cache_off, save_plan
+from remat.native.api import analyze as native_analyze
+from remat.native.planner import NATIVE_PLANS
+from remat.native.planner import fixed as native_fixed
+from remat.native.planner import solve as native_solve
+from remat.native.regions import find_blocks
 from remat.native.report import explain_applied
 from remat.native.state import applied
-from remat.native.trace import TraceError
+from remat.native.trace import StepTrace, TraceError
 from remat.pipeline import analyze
 from remat.plots import fit_plot, pareto_plot, timeline_plot
 from remat.presets import PRESETS, build, parse_settings
 from remat.problem import Problem
 from remat.report import explain_plan
-from remat.request import Request, model_static_memory
+from remat.request import Request, as_args, model_static_memory, resolve_profile
 from remat.rewrite.module import RematModule
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
@@ -315,20 +321,18 @@ def compare_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"[red]remat compare: {e}")
         return 2
-    with console.status("analysing..."):
-        problem = analyze(
-            built.model,
-            built.args,
-            built.kwargs,
-            device_profile=args.device,
-            precision=args.precision,
-            grads_held=not options.grads_released,
-        ).problem
     config = SolverConfig(time_limit_s=args.time_limit)
     static = model_static_memory(built.model, options)
+    executor = executor_of(args)
+    console.print(f"executor: {EXECUTORS[executor]}")
+    with console.status("analysing..."):
+        try:
+            side = (_NativeSide if executor == "sac" else _GraphSide)(args, built, options)
+        except (ValueError, TraceError) as e:
+            console.print(f"[red]remat compare: {escape(str(e))}")
+            return 1
     if args.sweep:
-        keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
-        least = min(least_peak(problem, n, config) for n in HEURISTICS)
+        least, keep_all = side.peak_range(config)
         # Device totals whose step budgets run from the least peak to keep_all's.
         budgets = [
             math.ceil((least + (keep_all - least) * k // max(1, args.sweep - 1) + static.total)
@@ -344,29 +348,22 @@ def compare_command(args: argparse.Namespace) -> int:
         except StaticMemoryError as e:
             console.print(f"[red]remat compare: {e}")
             return 1
-        for name in [*SOLVERS, "auto"]:
+        for name in side.solvers:
             t0 = time.perf_counter()
             try:
                 with console.status(f"{_gb_text(total)}: {name}..."):
-                    plan = solve(
-                        problem, solver=name, budget_bytes=d.step_budget_bytes, config=config
-                    )
+                    peak, recompute_pct, bound_pct = side.solve(name, d.step_budget_bytes, config)
             except (BudgetError, ValueError, RuntimeError) as e:
                 rows.append({"budget_bytes": total, "solver": name, "error": str(e)[:200]})
                 continue
-            sim = plan.simulation
             rows.append(
                 {
                     "budget_bytes": total,
                     "solver": name,
-                    "step_peak_bytes": plan.predicted_peak_bytes,
-                    "total_bytes": d.total_for(plan.predicted_peak_bytes),
-                    "recompute_pct": 100 * sim.recompute_time_s / sim.step_time_s,
-                    "bound_pct": (
-                        100 * plan.lower_bound_s / sim.step_time_s
-                        if plan.lower_bound_s is not None
-                        else None
-                    ),
+                    "step_peak_bytes": peak,
+                    "total_bytes": d.total_for(peak),
+                    "recompute_pct": recompute_pct,
+                    "bound_pct": bound_pct,
                     "solve_s": time.perf_counter() - t0,
                     "error": "",
                 }
@@ -409,6 +406,78 @@ def compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
+class _GraphSide:
+    """``remat compare`` for remat's executor: every solver on the captured joint graph."""
+
+    def __init__(self, args: argparse.Namespace, built: Any, options: Options) -> None:
+        self.problem = analyze(
+            built.model,
+            built.args,
+            built.kwargs,
+            device_profile=args.device,
+            precision=args.precision,
+            grads_held=not options.grads_released,
+        ).problem
+        self.solvers = [*SOLVERS, "auto"]
+
+    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
+        keep_all = solve(self.problem, solver="keep_all", budget_bytes=None)
+        least = min(least_peak(self.problem, n, config) for n in HEURISTICS)
+        return least, keep_all.predicted_peak_bytes
+
+    def solve(
+        self, name: str, budget: int, config: SolverConfig
+    ) -> tuple[int, float, float | None]:
+        plan = solve(self.problem, solver=name, budget_bytes=budget, config=config)
+        step = plan.simulation.step_time_s
+        bound = None if plan.lower_bound_s is None else 100 * plan.lower_bound_s / step
+        return plan.predicted_peak_bytes, 100 * plan.simulation.recompute_time_s / step, bound
+
+
+class _NativeSide:
+    """``remat compare --executor sac``: ``remat.apply``'s fixed plans, its ``auto`` and each
+    of remat's solvers for its executor, every plan traced (the model is not modified)."""
+
+    def __init__(self, args: argparse.Namespace, built: Any, options: Options) -> None:
+        model = built.model
+        req = Request.of(
+            optimizer=args.optimizer, precision=args.precision, zero_stage=args.zero_stage,
+            world_size=args.world_size, device_profile=args.device,
+        )  # fmt: skip
+        profile = get_profile(resolve_profile(model, args.device))
+        blocks = find_blocks(model)
+        self.args, self.kwargs = as_args(built.args), dict(built.kwargs)
+        with kv_cache_off(model):
+            self.traced, self.problem = native_analyze(
+                model, blocks, self.args, self.kwargs, req, profile
+            )
+        self.model = model
+        self.solvers = [*(f"plan:{n}" for n in NATIVE_PLANS), "auto", *NATIVE_SOLVERS]
+
+    def _tracer(self, policies: Any) -> StepTrace:
+        with kv_cache_off(self.model):
+            return self.traced.trace(self.args, self.kwargs, policies)
+
+    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
+        least = native_fixed(self.problem, "block", self._tracer).trace.peak_bytes
+        return least, self.problem.baseline.peak_bytes
+
+    def solve(
+        self, name: str, budget: int, config: SolverConfig
+    ) -> tuple[int, float, float | None]:
+        if name.startswith("plan:"):  # remat.apply(plan=...)
+            solution = native_fixed(self.problem, name.removeprefix("plan:"), self._tracer)
+            if solution.trace.peak_bytes > budget:
+                raise BudgetError(budget, solution.trace.peak_bytes, f"plan {name!r}")
+        else:
+            solution = native_solve(
+                self.problem, self._tracer, budget_bytes=budget, config=config, solver=name
+            )
+        trace = solution.trace
+        step = sum(e.time_s for e in trace.events)
+        return trace.peak_bytes, 100 * trace.recompute_time_s / step if step else 0.0, None
+
+
 def _shallow(
     spec: str, args: argparse.Namespace, model: torch.nn.Module
 ) -> tuple[torch.nn.Module, int, int] | None:
@@ -434,10 +503,12 @@ def fit_command(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
-        shallow = _shallow(args.model, args, built.model)
+        executor = executor_of(args)
+        shallow = _shallow(args.model, args, built.model) if executor == "graph" else None
     except ValueError as e:
         err.print(f"[red]remat fit: {e}")
         return 2
+    err.print(f"executor: {EXECUTORS[executor]}")
     status = err.status("capturing...")
     with status:
         try:
@@ -447,8 +518,9 @@ def fit_command(args: argparse.Namespace) -> int:
                 example_kwargs=built.kwargs,
                 request=_request(args, lambda msg: status.update(msg)),
                 shallow=shallow,
+                executor=executor,
             )
-        except (StaticMemoryError, ValueError) as e:
+        except (StaticMemoryError, ValueError, TraceError) as e:
             err.print(f"[red]remat fit: {escape(str(e))}")
             return 1
     wall = time.perf_counter() - t0
@@ -458,7 +530,7 @@ def fit_command(args: argparse.Namespace) -> int:
     d = report.budget
     console.print(
         f"[bold]{built.description}[/]; {args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}"
-        f" x {args.world_size}, profile {args.device}. Budget {_gb_text(d.budget_bytes)}: static "
+        f" x {args.world_size}, profile {args.device}, executor {executor}. Budget {_gb_text(d.budget_bytes)}: static "
         f"{_gb_text(d.static.total)}, reserve {_gb_text(d.reserve_bytes)}, step "
         f"{_gb_text(d.step_budget_bytes)}"
     )
@@ -534,6 +606,13 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--executor",
+        type=_executor_name,
+        default="auto",
+        help="graph (remat.optimize), sac (remat.apply: FSDP2, DDP, compile) or auto (the "
+        "default: sac with --world-size above 1, graph on one device)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -567,13 +646,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget-gb", type=float, default=80.0, help="device memory (1 GB = 1e9 B)")
     _model_options(p)
     p.add_argument("--solver", default=None, help="default: auto")
-    p.add_argument(
-        "--executor",
-        type=_executor_name,
-        default="auto",
-        help="graph (remat.optimize), sac (remat.apply: FSDP2, DDP, compile) or auto (the "
-        "default: sac with --world-size above 1, graph on one device)",
-    )
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
     p.set_defaults(func=plan_command)
     c = sub.add_parser(

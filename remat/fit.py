@@ -19,9 +19,10 @@ re-captures. The plans:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -29,8 +30,17 @@ from typing_extensions import Unpack
 
 from remat import _torch_compat as tc
 from remat.budget import DeviceBudget
-from remat.formula import MemoryFormula, RangeFormula, analyze_dynamic, formula_of
+from remat.formula import (
+    MemoryFormula,
+    RangeFormula,
+    analyze_dynamic,
+    check_executor,
+    formula_of,
+)
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic_deep
+from remat.graph.profiles import DeviceProfile, get_profile
+from remat.native.dynamic import NativeDynamic, native_dynamic
+from remat.native.dynamic import formula_of as native_formula_of
 from remat.pipeline import analyze
 from remat.request import Request, RequestArgs, as_args, request_of, resolve_profile
 from remat.solver.chain import chain_menu
@@ -39,10 +49,14 @@ from remat.solver.formula import peak_candidates, step_polynomials
 from remat.solver.plan import Plan
 from remat.solver.registry import solve
 
-__all__ = ["CAPS", "FitReport", "FitRow", "fit", "fit_dynamic"]
+__all__ = ["CAPS", "FIXED", "FIXED_SAC", "FitReport", "FitRow", "fit", "fit_dynamic", "fit_native"]
 
 CAPS: tuple[float, ...] = (5.0, 10.0, 20.0)
 FIXED = {"no checkpointing": "keep_all", "Megatron selective": "megatron", "every block": "block"}
+"""Rows of fixed plans for remat's executor: row name -> plan."""
+FIXED_SAC = {"no checkpointing": "keep_all", "keep matmuls": "keep_matmuls", "every block": "block"}
+"""Rows of fixed plans for ``remat.apply``'s executor (``keep matmuls``: torchtitan's
+selective-op policy)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,7 @@ class FitReport:
     """``no checkpointing``'s formula."""
     candidates: Mapping[str, int] = field(default_factory=dict)
     """Saved sets considered per range."""
-    planner: _Planner | None = field(default=None, repr=False, compare=False)
+    planner: _Chooser | None = field(default=None, repr=False, compare=False)
 
     def choose(self, plan: str, b: int, s: int | None) -> Choice | None:
         """The saved set row ``plan`` takes at ``(b, s)``, with its step peak and recompute
@@ -206,17 +220,46 @@ class _Planner:
 
     def choose(self, plan: str, b: int, s: int | None) -> Choice | None:
         """The saved set ``plan`` (a row's name) takes at ``(b, s)``."""
-        options = self.choices(b, s)
-        if plan in FIXED:
-            return next((ch for c, ch in options if c.name == FIXED[plan]), None)
-        if plan != "least peak":
-            cap = float(plan.removeprefix("remat <= ").removesuffix("%"))
-            options = [(c, ch) for c, ch in options if ch.recompute_pct <= cap + 1e-9]
-        return min(
-            (ch for _, ch in options),
-            key=lambda ch: (ch.step_peak_bytes, ch.recompute_pct),
-            default=None,
-        )
+        return _row_choice(plan, FIXED, [ch for _, ch in self.choices(b, s)])
+
+
+class _NativePlanner:
+    """Every traced native plan per range, evaluated at shapes from formulas alone."""
+
+    def __init__(self, dynamic: NativeDynamic, profile: DeviceProfile) -> None:
+        self.dynamic = dynamic
+        self.profile = profile
+        self._at: tuple[tuple[int, int | None], list[Choice]] | None = None
+
+    def choices(self, b: int, s: int | None) -> list[Choice]:
+        if self._at is not None and self._at[0] == (b, s):
+            return self._at[1]
+        r = self.dynamic.range_of(b, s)
+        out = []
+        if r is not None:
+            for name, step in r.steps.items():
+                pct = step.recompute_pct(self.profile, b, s)
+                out.append(Choice(name, step.peak.peak(b, s)[0], pct))
+        self._at = ((b, s), out)
+        return out
+
+    def choose(self, plan: str, b: int, s: int | None) -> Choice | None:
+        return _row_choice(plan, FIXED_SAC, self.choices(b, s))
+
+
+def _row_choice(plan: str, fixed: Mapping[str, str], options: list[Choice]) -> Choice | None:
+    """Row ``plan``'s saved set among ``options``: a fixed plan's, or the least peak (within
+    a recompute cap, for ``remat <= N%``)."""
+    if plan in fixed:
+        return next((ch for ch in options if ch.plan == fixed[plan]), None)
+    if plan != "least peak":
+        cap = float(plan.removeprefix("remat <= ").removesuffix("%"))
+        options = [ch for ch in options if ch.recompute_pct <= cap + 1e-9]
+    return min(options, key=lambda ch: (ch.step_peak_bytes, ch.recompute_pct), default=None)
+
+
+class _Chooser(Protocol):
+    def choose(self, plan: str, b: int, s: int | None) -> Choice | None: ...
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int | None) -> int | None:
@@ -237,23 +280,20 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int | None) -> int | None
     return lo
 
 
-def fit_dynamic(
-    dynamic: DynamicProblem,
+def _search(
+    planner: _Chooser,
+    names: list[str],
     budget: DeviceBudget,
     *,
     batch: int,
     seq: int | None,
+    s_min: int | None,
     seq_limit: int | None,
-    batch_limit: int = 1 << 16,
-    config: SolverConfig | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> FitReport:
-    """:func:`fit` on a captured :class:`DynamicProblem`."""
-    config = config or SolverConfig(time_limit_s=10.0)
-    planner = _Planner(dynamic, config, progress)
+    batch_limit: int,
+    progress: Callable[[str], None] | None,
+) -> dict[str, FitRow]:
+    """Each row's longest sequence at ``batch`` and largest batch at ``seq``."""
     step_budget = budget.step_budget_bytes
-    names = [*FIXED, "least peak", *(f"remat <= {c:g}%" for c in CAPS)]
-    s_min = next((r.s_min for r in dynamic.ranges if r.s_min is not None), None)
     rows: dict[str, FitRow] = {}
     for name in names:
         if progress:
@@ -276,6 +316,32 @@ def fit_dynamic(
             at_batch,
             None if at_seq is None else budget.static.total + at_seq.step_peak_bytes,
         )
+    return rows
+
+
+def _row_names(fixed: Mapping[str, str]) -> list[str]:
+    return [*fixed, "least peak", *(f"remat <= {c:g}%" for c in CAPS)]
+
+
+def fit_dynamic(
+    dynamic: DynamicProblem,
+    budget: DeviceBudget,
+    *,
+    batch: int,
+    seq: int | None,
+    seq_limit: int | None,
+    batch_limit: int = 1 << 16,
+    config: SolverConfig | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> FitReport:
+    """:func:`fit` on a captured :class:`DynamicProblem`."""
+    config = config or SolverConfig(time_limit_s=10.0)
+    planner = _Planner(dynamic, config, progress)
+    s_min = next((r.s_min for r in dynamic.ranges if r.s_min is not None), None)
+    rows = _search(
+        planner, _row_names(FIXED), budget, batch=batch, seq=seq, s_min=s_min,
+        seq_limit=seq_limit, batch_limit=batch_limit, progress=progress,
+    )  # fmt: skip
     formula = formula_of(dynamic, "keep_all", budget.static)
     return FitReport(
         budget,
@@ -295,6 +361,32 @@ def fit_dynamic(
     )
 
 
+def fit_native(
+    dynamic: NativeDynamic,
+    budget: DeviceBudget,
+    profile: DeviceProfile,
+    *,
+    batch: int,
+    seq: int | None,
+    seq_limit: int | None,
+    batch_limit: int = 1 << 16,
+    progress: Callable[[str], None] | None = None,
+) -> FitReport:
+    """:func:`fit` for ``remat.apply``'s executor, on traced native plans
+    (:func:`remat.native.dynamic.native_dynamic`, with ``keep_all`` among them)."""
+    planner = _NativePlanner(dynamic, profile)
+    s_min = next((r.shapes.s_range[0] for r in dynamic.ranges), None)
+    rows = _search(
+        planner, _row_names(FIXED_SAC), budget, batch=batch, seq=seq, s_min=s_min,
+        seq_limit=seq_limit, batch_limit=batch_limit, progress=progress,
+    )  # fmt: skip
+    formula = native_formula_of(dynamic, "keep_all", budget.static)
+    counts = {
+        r.description: len(nr.steps) for r, nr in zip(formula.ranges, dynamic.ranges, strict=True)
+    }
+    return FitReport(budget, batch, seq, seq_limit, batch_limit, rows, formula, counts, planner)
+
+
 def fit(
     model: nn.Module,
     example_inputs: Any,
@@ -303,6 +395,7 @@ def fit(
     request: Request | None = None,
     max_batch: int = 1 << 16,
     shallow: tuple[nn.Module, int, int] | None = None,
+    executor: str = "graph",
     **flat: Unpack[RequestArgs],
 ) -> FitReport:
     """For each plan, the longest sequence at the example's batch and the largest batch at
@@ -313,8 +406,14 @@ def fit(
     its per-block menus. ``max_seq``: the longest length searched (default: the model's
     ``config.max_position_embeddings`` or ``n_positions``, else 8x the example's).
     ``shallow``: ``(copy with fewer layers, its layers, the model's layers)`` of a deep stack,
-    to fit on the copy (:func:`remat.graph.dynamic.capture_dynamic_deep`).
+    to fit on the copy (:func:`remat.graph.dynamic.capture_dynamic_deep`; graph executor).
+
+    ``executor="sac"``: the plans of ``remat.apply`` (PyTorch's selective checkpointing on
+    the blocks; FSDP2 over ``world_size`` ranks with ``zero_stage=3``): no checkpointing, the
+    matmul outputs kept, every block recomputed, and the chain DP's menu applied to every
+    block, each traced at the fit's shapes (:mod:`remat.native.dynamic`).
     """
+    check_executor(executor)
     if request is None:
         flat.setdefault("time_limit_s", 10.0)
     req = request_of(request, flat)
@@ -331,6 +430,14 @@ def fit(
         max_seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         max_seq = int(max_seq) if max_seq else 8 * dims.seq
     profile = resolve_profile(model, req.device_profile)
+    if executor == "sac":
+        native, _ = native_dynamic(
+            model, args, kwargs, dataclasses.replace(req, max_seq=max_seq), menus=True
+        )
+        return fit_native(
+            native, budget, get_profile(profile), batch=dims.batch, seq=dims.seq,
+            seq_limit=max_seq, batch_limit=max_batch, progress=progress,
+        )  # fmt: skip
     grads_held = not options.grads_released
     if shallow is None:
         dynamic = analyze_dynamic(

@@ -15,139 +15,31 @@ peak of a real run (``tests/test_formula.py`` checks both).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from remat.budget import Options, StaticMemory
-from remat.graph.dynamic import (
-    Dims,
-    DynamicProblem,
-    ShapeRange,
-    capture_dynamic,
-    range_text,
-    within,
-)
+from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic, range_text
 from remat.graph.profiles import DeviceProfile
+from remat.native.dynamic import formula_of as native_formula_of
+from remat.native.dynamic import native_dynamic
+from remat.native.planner import NATIVE_PLANS
+from remat.peak_formula import MemoryFormula, RangeFormula
 from remat.pipeline import analyze
-from remat.request import as_args, model_static_memory, resolve_profile
-from remat.solver.formula import Poly, peak_candidates, step_polynomials
+from remat.request import Request, as_args, model_static_memory, resolve_profile
+from remat.solver.formula import peak_candidates, step_polynomials
 from remat.solver.plan import Plan, make_plan
 from remat.solver.registry import solve
 
-__all__ = ["MemoryFormula", "RangeFormula", "analyze_dynamic", "formula_of", "memory_formula"]
-
-
-@dataclass(frozen=True)
-class RangeFormula:
-    """The step's peak over one range of shapes: the maximum of ``candidates``."""
-
-    b_min: int
-    b_max: int | None
-    s_min: int | None
-    s_max: int | None
-    candidates: tuple[tuple[str, Poly], ...]
-    """``(moment, bytes)``: the moments of the step that can hold its peak somewhere in the
-    range (every other moment is provably below one of them)."""
-    saved: Poly
-    """Bytes the forward leaves to the backward."""
-    tensor_candidates: tuple[tuple[str, Poly], ...] = ()
-    """The same without kernel scratch: live storages, what a live-storage meter sees."""
-
-    def contains(self, b: int, s: int | None) -> bool:
-        return within(self, b, s)
-
-    def peak(self, b: int, s: int | None, *, tensors: bool = False) -> tuple[int, str]:
-        s_ = 0 if s is None else s
-        candidates = self.tensor_candidates if tensors else self.candidates
-        value, moment = max((p.at(b, s_), name) for name, p in candidates)
-        return value, moment
-
-    @property
-    def description(self) -> str:
-        return range_text(self)
-
-
-@dataclass(frozen=True)
-class MemoryFormula:
-    """One plan's device memory at every batch ``b`` and length ``s`` of its ranges."""
-
-    plan: str
-    static: StaticMemory
-    """Held across steps (parameters, optimizer state, gradient shards): a constant."""
-    ranges: tuple[RangeFormula, ...]
-    has_seq: bool
-    notes: tuple[str, ...] = ()
-
-    def _range(self, b: int, s: int | None) -> RangeFormula:
-        if self.has_seq and s is None:
-            raise ValueError("this model has a sequence dimension: pass s")
-        for r in self.ranges:
-            if r.contains(b, s):
-                return r
-        covered = "; ".join(r.description for r in self.ranges)
-        raise ValueError(f"(b={b}, s={s}) is outside the formula's ranges ({covered})")
-
-    def step_peak_bytes(self, b: int, s: int | None = None) -> int:
-        """The step's peak (activations, gradients, scratch): ``plan.predicted_peak_bytes``."""
-        return self._range(b, s).peak(b, s)[0]
-
-    def tensor_peak_bytes(self, b: int, s: int | None = None) -> int:
-        """The step's peak of live storages alone: ``plan.predicted_tensor_peak_bytes``."""
-        return self._range(b, s).peak(b, s, tensors=True)[0]
-
-    def peak_bytes(self, b: int, s: int | None = None) -> int:
-        """Device bytes at the step's peak: static memory plus the step's peak."""
-        return self.static.total + self.step_peak_bytes(b, s)
-
-    def max_step_peak_bytes(self, b: int, lo: int, hi: int) -> tuple[int, int]:
-        """``(bytes, s)``: the step's largest peak over the lengths ``lo <= s <= hi`` at
-        batch ``b`` and a length where it is reached, exactly (not sampled)."""
-        r = self._range(b, lo)
-        if self._range(b, hi) is not r:
-            raise ValueError(f"lengths {lo}..{hi} span two of the formula's ranges")
-        return max(p.max_over_s(b, lo, hi) for _, p in r.candidates)
-
-    def peak_moment(self, b: int, s: int | None = None) -> str:
-        """Where in the step the peak falls (``phase:op``)."""
-        return self._range(b, s).peak(b, s)[1]
-
-    def saved_bytes(self, b: int, s: int | None = None) -> int:
-        return self._range(b, s).saved.at(b, 0 if s is None else s)
-
-    def pieces(self, b: int, s: int | None = None) -> dict[str, int]:
-        """``static``, ``saved`` (activations kept for the backward) and ``transient`` (the
-        rest of the step's peak: gradients, the running op's inputs, outputs and scratch)."""
-        step = self.step_peak_bytes(b, s)
-        saved = self.saved_bytes(b, s)
-        return {"static": self.static.total, "saved": saved, "transient": step - saved}
-
-    @property
-    def expr(self) -> Any:
-        """The device peak as a sympy expression: a ``Piecewise`` over the ranges of a
-        ``Max`` over the candidate moments, plus the static bytes."""
-        import sympy
-
-        b, s = sympy.symbols("b s", integer=True, positive=True)
-        pieces = []
-        for r in self.ranges:
-            peak = sympy.Max(*(p.to_sympy() for _, p in r.candidates))
-            cond = sympy.Eq(b, r.b_min) if r.b_max == r.b_min else b >= r.b_min
-            pieces.append((self.static.total + peak, cond))
-        return sympy.Piecewise(*pieces)
-
-    def __str__(self) -> str:
-        lines = [f"plan {self.plan!r}: device bytes = static + step peak"]
-        lines.append(f"  static = {self.static.total} (parameters, optimizer state, shards)")
-        for r in self.ranges:
-            lines.append(f"  {r.description}:")
-            lines.append(f"    saved for backward = {r.saved}")
-            lines.append("    step peak = max of")
-            for name, p in r.candidates:
-                lines.append(f"      {p}    [{name}]")
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
+__all__ = [
+    "EXECUTORS",
+    "MemoryFormula",
+    "RangeFormula",
+    "analyze_dynamic",
+    "formula_of",
+    "memory_formula",
+]
 
 
 def analyze_dynamic(
@@ -228,17 +120,29 @@ def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) 
     return MemoryFormula(name, static, tuple(ranges), dynamic.dims.seq is not None, tuple(notes))
 
 
+EXECUTORS = ("graph", "sac")
+"""``graph``: remat's whole-graph executor (:func:`remat.optimize`); ``sac``: PyTorch's
+selective checkpointing on the model's blocks (:func:`remat.apply`)."""
+
+
+def check_executor(executor: str) -> None:
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; valid: {', '.join(EXECUTORS)}")
+
+
 def memory_formula(
     model: nn.Module,
     example_inputs: Any,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     plan: str | Plan = "keep_all",
+    executor: str = "graph",
     precision: str = "fp32",
     optimizer: str = "adamw",
     zero_stage: int = 0,
     world_size: int = 1,
     device_profile: str | DeviceProfile = "auto",
+    block_types: tuple[str, ...] = (),
     max_seq: int | None = None,
     seq: bool | None = None,
     progress: Callable[[str], None] | None = None,
@@ -246,13 +150,35 @@ def memory_formula(
     """The device's peak memory for ``plan`` as an exact formula in the batch ``b`` and, for
     a model with a sequence dimension (dim 1 of the first input, token ids), its length ``s``.
 
+    ``executor="graph"``: a plan of remat's own executor (a named plan, or a :class:`Plan`),
+    the step captured at the fit's shapes. ``executor="sac"``: one of ``remat.apply``'s fixed
+    plans (``keep_all``, ``keep_matmuls``, ``block``) on the model's blocks (``block_types``),
+    the step traced as ``remat.apply`` traces it (FSDP2 over ``world_size`` ranks with
+    ``zero_stage=3``; ``precision="bf16-fsdp"`` for its mixed precision) at the same shapes.
+
     ``example_inputs`` must have a length of at least 8 (the fit captures at lengths around
     it); ``max_seq`` bounds the lengths the formula claims (the model's positions). The model
     is not modified. See :class:`MemoryFormula` for what it answers.
     """
+    check_executor(executor)
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
     )
+    static = model_static_memory(model, options)
+    if executor == "sac":
+        if not isinstance(plan, str) or plan not in NATIVE_PLANS:
+            raise ValueError(
+                f"executor='sac' takes one of remat.apply's fixed plans ({', '.join(NATIVE_PLANS)})"
+            )
+        req = Request.of(
+            precision=precision, zero_stage=zero_stage, world_size=world_size,
+            device_profile=device_profile, block_types=block_types, max_seq=max_seq,
+            progress=progress,
+        )  # fmt: skip
+        native, _ = native_dynamic(
+            model, as_args(example_inputs), dict(example_kwargs or {}), req, plans=(plan,), seq=seq
+        )
+        return native_formula_of(native, plan, static)
     dynamic = analyze_dynamic(
         model,
         example_inputs,
@@ -264,4 +190,4 @@ def memory_formula(
         seq=seq,
         progress=progress,
     )
-    return formula_of(dynamic, plan, model_static_memory(model, options))
+    return formula_of(dynamic, plan, static)

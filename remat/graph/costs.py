@@ -61,6 +61,22 @@ def op_flops(op: tc.OpOverload, args: Any, kwargs: Any, out: Any) -> int:
     return 0
 
 
+def op_cost(
+    op: tc.OpOverload,
+    args: Any,
+    kwargs: Any,
+    out: Any,
+    tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+) -> tuple[int, int, str]:
+    """(FLOPs, bytes moved, output dtype) of one call of ``op``: what the roofline times.
+    ``tensors``: the tensor leaves of the arguments and of the output, when already at hand."""
+    flops = op_flops(op, args, kwargs, out)
+    ins, outs = tensors if tensors is not None else (_tensors((args, kwargs)), _tensors(out))
+    moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
+    dtype = str(outs[0].dtype).removeprefix("torch.") if outs else "float32"
+    return flops, moved, dtype
+
+
 def op_time(
     op: tc.OpOverload,
     args: Any,
@@ -69,12 +85,8 @@ def op_time(
     profile: DeviceProfile,
     tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> tuple[int, float]:
-    """(FLOPs, estimated seconds) of one call of ``op`` on ``profile``'s device.
-    ``tensors``: the tensor leaves of the arguments and of the output, when already at hand."""
-    flops = op_flops(op, args, kwargs, out)
-    ins, outs = tensors if tensors is not None else (_tensors((args, kwargs)), _tensors(out))
-    moved = sum(t.numel() * t.element_size() for t in (*ins, *outs))
-    dtype = str(outs[0].dtype).removeprefix("torch.") if outs else "float32"
+    """(FLOPs, estimated seconds) of one call of ``op`` on ``profile``'s device."""
+    flops, moved, dtype = op_cost(op, args, kwargs, out, tensors)
     return flops, profile.op_time(flops, moved, dtype)
 
 

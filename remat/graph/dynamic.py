@@ -365,6 +365,49 @@ def fit_lengths(seq: int) -> tuple[list[int], int]:
     return [seq - 2 * k, seq - k, seq], seq - k - k // 2
 
 
+@dataclass(frozen=True)
+class RangeShapes:
+    """The shapes one range of a fit is captured at: ``fit`` determines its polynomials,
+    ``check`` tests them at shapes they were not built from (``s = 0``: no sequence)."""
+
+    fit: tuple[tuple[int, int], ...]
+    check: tuple[tuple[int, int], ...]
+    b_range: tuple[int, int | None]
+    s_range: tuple[int | None, int | None]
+
+
+def range_shapes(
+    dims: Dims, *, max_seq: int | None = None, batch: int | None = None
+) -> list[RangeShapes]:
+    """Two ranges, ``b = 1`` and ``b >= 2`` (a polynomial in ``b`` needs two batches, and
+    ``b = 1`` often takes other kernels), each over every length from 3 up to ``max_seq``
+    when the model has a sequence. ``batch``: only the range that holds it."""
+    has_seq = dims.seq is not None
+    lengths, check = fit_lengths(dims.seq) if dims.seq is not None else ([0, 0, 0], 0)
+    s_range: tuple[int | None, int | None] = (3, max_seq) if has_seq else (None, None)
+    s_fit = lengths if has_seq else [0]
+    out = []
+    if batch is None or batch == 1:
+        out.append(
+            RangeShapes(
+                tuple((1, s) for s in s_fit),
+                ((1, check),) if has_seq else (),
+                (1, 1),
+                s_range,
+            )
+        )
+    if batch is None or batch >= 2:
+        out.append(
+            RangeShapes(
+                tuple((b, s) for b in (2, 3) for s in s_fit),
+                ((4, check),) if has_seq else ((4, 0), (5, 0)),
+                (2, None),
+                s_range,
+            )
+        )
+    return out
+
+
 def capture_dynamic(
     analyze: Analyzer,
     args: tuple[Any, ...],
@@ -375,43 +418,18 @@ def capture_dynamic(
     batch: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> DynamicProblem:
-    """Fit the step over ``b >= 1`` (two ranges: ``b = 1`` and ``b >= 2``) and, when the model
-    has a sequence, every length from 3 up to ``max_seq``. ``batch``: only the range that
-    holds it (4 captures for ``b = 1``, 7 for the other)."""
+    """Fit the step over the ranges of :func:`range_shapes` (4 captures for ``b = 1``, 7 for
+    ``b >= 2``)."""
     has_seq = dims.seq is not None
-    lengths, check = fit_lengths(dims.seq) if dims.seq is not None else ([0, 0, 0], 0)
-    s_range: tuple[int | None, int | None] = (3, max_seq) if has_seq else (None, None)
 
     def analyze_at(b: int, s: int | None) -> Any:
         a, kw = inputs_at(args, kwargs, dims, b, s)
         return analyze(a, kw)
 
-    s_fit = lengths if has_seq else [0]
-    ranges = []
-    if batch is None or batch == 1:
-        ranges.append(
-            _fit_range(
-                analyze_at,
-                [(1, s) for s in s_fit],
-                [(1, check)] if has_seq else [],
-                has_seq,
-                (1, 1),
-                s_range,
-                progress,
-            )
-        )
-    if batch is None or batch >= 2:
-        ranges.append(
-            _fit_range(
-                analyze_at,
-                [(b, s) for b in (2, 3) for s in s_fit],
-                [(4, check)] if has_seq else [(4, 0), (5, 0)],
-                has_seq,
-                (2, None),
-                s_range,
-                progress,
-            )
-        )
+    ranges = [
+        _fit_range(analyze_at, r.fit, r.check, has_seq, r.b_range, r.s_range, progress)
+        for r in range_shapes(dims, max_seq=max_seq, batch=batch)
+    ]
     return DynamicProblem(tuple(ranges), dims)
 
 

@@ -9,9 +9,10 @@ wraps it as usual. The recipe: ``remat.apply`` first, then ``fully_shard`` (or D
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
-from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, TraceError
+from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
 from remat.planfile import NATIVE, PlanFileError, document, read_plan, write_document
 from remat.request import (
     Request,
@@ -120,10 +121,9 @@ def apply(
     blocks = regions.find_blocks(model, req.block_types)
     use_cache = _disable_kv_cache(model)
     try:
-        fsdp = options.world_size if options.zero_stage == 3 and options.world_size > 1 else None
         with device_errors(device):
             problem, solution = _plan(
-                model, blocks, args, kwargs, req, req.step_budget(device), profile, fsdp
+                model, blocks, args, kwargs, req, req.step_budget(device), profile
             )
     except BaseException:
         _restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
@@ -186,6 +186,47 @@ def _at_longest(
     return a, dict(kw)
 
 
+@dataclass(frozen=True)
+class Traced:
+    """A model's step as the ``sac`` executor runs it, traced on a copy: the copy, and how
+    every trace of it is taken (profile, autocast)."""
+
+    fake: FakeModel
+    profile: DeviceProfile
+    autocast: torch.dtype | None
+
+    def trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], policies: Any) -> StepTrace:
+        return self.fake.trace(args, kwargs, policies, profile=self.profile, autocast=self.autocast)
+
+
+def analyze(
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    req: Request,
+    profile: DeviceProfile,
+) -> tuple[Traced, planner.NativeProblem]:
+    """The step with every block eager, traced on a FakeTensor copy of ``model`` (sharded
+    with FSDP2 for ``zero_stage=3`` over several ranks), or on a real copy of a CPU model
+    whose step FakeTensors cannot run. The model's KV cache must be off."""
+    options = req.training
+    precision = options.precision
+    autocast, mp = AUTOCAST.get(precision), FSDP_PARAM_DTYPES.get(precision)
+    fsdp = options.world_size if options.zero_stage == 3 and options.world_size > 1 else None
+    fake = FakeModel(model, blocks, fsdp_world=fsdp, fsdp_param_dtype=mp)
+    try:
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+    except TraceError as e:
+        if not _real_fallback(model):
+            raise
+        if req.progress:
+            req.progress(f"tracing on a real copy of the model: {e}")
+        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp, fsdp_param_dtype=mp)
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+    return Traced(fake, profile, autocast), problem
+
+
 def _plan(
     model: nn.Module,
     blocks: tuple[str, ...],
@@ -194,26 +235,13 @@ def _plan(
     req: Request,
     step_budget: int | None,
     profile: DeviceProfile,
-    fsdp: int | None,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every block eager, then solve (or load, or fix) the policies."""
-    precision = req.training.precision
-    autocast, mp = AUTOCAST.get(precision), FSDP_PARAM_DTYPES.get(precision)
-    config = req.solver_config()
+    traced, problem = analyze(model, blocks, args, kwargs, req, profile)
     plan = req.plan
-    fake = FakeModel(model, blocks, fsdp_world=fsdp, fsdp_param_dtype=mp)
-    try:
-        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
-    except TraceError as e:
-        if not _real_fallback(model):
-            raise
-        if config.progress:
-            config.progress(f"tracing on a real copy of the model: {e}")
-        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp, fsdp_param_dtype=mp)
-        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
 
     def tracer(policies: Any) -> Any:
-        return fake.trace(args, kwargs, policies, profile=profile, autocast=autocast)
+        return traced.trace(args, kwargs, policies)
 
     if req.is_plan_file():
         assert isinstance(plan, (str, Path))
@@ -224,8 +252,20 @@ def _plan(
             raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
         return problem, solution
     return problem, planner.solve(
-        problem, tracer, budget_bytes=step_budget, config=config, solver=req.solver or "auto"
-    )
+        problem, tracer, budget_bytes=step_budget, config=req.solver_config(),
+        solver=req.solver or "auto",
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def kv_cache_off(model: nn.Module) -> Iterator[None]:
+    """The model's KV caches off while remat traces it, restored after (see
+    :func:`_disable_kv_cache`)."""
+    previous = _disable_kv_cache(model)
+    try:
+        yield
+    finally:
+        _restore_kv_cache(model, previous)
 
 
 def save_plan(model: nn.Module, path: str | Path) -> Path:

@@ -218,25 +218,48 @@ class Solution:
 Tracer = Callable[[Sequence[Policy]], StepTrace]
 
 
-def fixed(problem: NativeProblem, name: str, tracer: Tracer) -> Solution:
-    """One of :data:`NATIVE_PLANS`."""
+def fixed_policies(problem: NativeProblem, name: str) -> tuple[Policy, ...]:
+    """Every block's policy under one of :data:`NATIVE_PLANS`."""
     if name not in NATIVE_PLANS:
         raise ValueError(f"unknown native plan {name!r}; valid: {', '.join(NATIVE_PLANS)}")
     policies: list[Policy] = []
     for k in range(len(problem.blocks)):
+        stream = problem.streams[problem.class_of(k)]
         if name == "keep_all":
             policies.append(None)
         elif name == "block":
-            policies.append(required_keys(problem.streams[problem.class_of(k)]))
+            policies.append(required_keys(stream))
         else:
-            policies.append(matmul_keys(problem.streams[problem.class_of(k)]))
-    reasons = {
-        "keep_all": "every block runs eagerly (no checkpoint)",
-        "keep_matmuls": "every block keeps its matmul and attention outputs",
-        "block": "every block recomputed whole (gradient_checkpointing_enable())",
-    }
+            policies.append(matmul_keys(stream))
+    return tuple(policies)
+
+
+FIXED_REASONS = {
+    "keep_all": "every block runs eagerly (no checkpoint)",
+    "keep_matmuls": "every block keeps its matmul and attention outputs",
+    "block": "every block recomputed whole (gradient_checkpointing_enable())",
+}
+
+
+def fixed(problem: NativeProblem, name: str, tracer: Tracer) -> Solution:
+    """One of :data:`NATIVE_PLANS`."""
+    policies = fixed_policies(problem, name)
     names = (name,) * len(policies)
-    return Solution(tuple(policies), tracer(policies), name, reasons[name], Proof.HEURISTIC, names)
+    return Solution(policies, tracer(policies), name, FIXED_REASONS[name], Proof.HEURISTIC, names)
+
+
+def uniform_plans(problem: NativeProblem) -> dict[str, tuple[Policy, ...]]:
+    """The chain DP's menu applied alike to every block: option ``k`` of each class's menu
+    (its last where a class has fewer), from every block eager to every block recomputed."""
+    menus = {c[0]: menu(problem.streams[c[0]]) for c in problem.classes}
+    options_of = [menus[problem.class_of(k)] for k in range(len(problem.blocks))]
+    n_opts = max(len(m) for m in menus.values())
+    out: dict[str, tuple[Policy, ...]] = {}
+    for o in range(n_opts):
+        picked = [opts[min(o, len(opts) - 1)] for opts in options_of]
+        names = dict.fromkeys(p.name for p in picked)
+        out[f"menu {o}: {' / '.join(names)}"] = tuple(p.policy for p in picked)
+    return out
 
 
 def solve(
@@ -520,8 +543,10 @@ __all__ = [
     "costs",
     "fingerprint",
     "fixed",
+    "fixed_policies",
     "menu",
     "policies_from_saved",
     "solve",
     "to_plan",
+    "uniform_plans",
 ]

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat import _torch_compat as tc
 from remat.graph.autocast import policy_of
-from remat.graph.costs import op_time
+from remat.graph.costs import op_cost
 from remat.graph.profiles import DeviceProfile
 from remat.graph.scratch import Call, call_of, device_of, measure_scratch, where_measured_on
 from remat.meter import LiveMemoryMeter, output_tensors, training_step
@@ -84,6 +84,10 @@ class OpEvent:
     meter sees)."""
     scratch_bytes: int = 0
     """What its kernel allocated and freed inside itself (:mod:`remat.graph.scratch`)."""
+    moved_bytes: int = 0
+    """Bytes it reads and writes (0 for a view, which launches no kernel): with ``flops``
+    and ``dtype``, what the roofline times (:meth:`DeviceProfile.op_time`)."""
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,10 @@ class StepTrace:
     """Live tensor storages alone (the live-storage meter's peak)."""
     scratch: str = ""
     """Where kernel scratch and RNG states were measured, or why they count 0."""
+    unseen_peak_bytes: int = 0
+    """The allocator's bytes at the moments something no dispatch sees was allocated
+    between ops (RNG states, FSDP2's resized parameters): a peak candidate besides the
+    events."""
 
     @property
     def peak_event(self) -> int:
@@ -237,7 +245,8 @@ class _Recorder(LiveMemoryMeter):
         view = bool(outs) and all(k in ins for k in out_keys)
         if in_block_forward:
             self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
-        flops, time_s = op_time(func, args, kwargs, out, self.profile, (in_tensors, outs))
+        flops, moved, dtype = op_cost(func, args, kwargs, out, (in_tensors, outs))
+        time_s = self.profile.op_time(flops, moved, dtype)
         if self.host and (self.phase == "forward" or self.recompute):
             wrapped = _wrapped_number_bytes(func, args, kwargs)
             self.unseen_bytes += wrapped
@@ -255,6 +264,8 @@ class _Recorder(LiveMemoryMeter):
                 "new_bytes": new_bytes,
                 "flops": flops,
                 "time_s": 0.0 if view else time_s,
+                "moved_bytes": 0 if view else moved,
+                "dtype": dtype,
                 "savable": key is not None and bool(outs) and (outside or not (view or mutable)),
                 "writes_outside": outside,
                 "reads": reads,
@@ -524,6 +535,7 @@ class FakeModel:
             dict(recorder.deaths),
             tensor_peak_bytes=recorder.peak_bytes,
             scratch=where or "not measured (FakeTensors, or another device): counts 0",
+            unseen_peak_bytes=recorder.unseen_peak,
         )
 
     def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None, policy: str) -> None:

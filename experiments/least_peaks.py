@@ -1,0 +1,81 @@
+"""Each executor's least peak on the developers' zoo decoders: how low ``remat.apply``'s plans
+(PyTorch's selective checkpointing on the blocks; code outside the blocks eager) reach against
+remat's whole-graph executor, which can recompute anywhere.
+
+Native: the least traced peak among its fixed plans and the chain DP's uniform menu options
+(every block recomputed is usually the least). Graph: the least simulated peak of the
+heuristics the budget search uses (:func:`remat.solver.registry.least_peak`). Both at the
+allocator, for one fp32 training step on the CPU profile. Also where the native least peak
+falls (the op and whether it is inside a block). Writes ``experiments/results/least_peaks.csv``.
+
+    .venv/bin/python experiments/least_peaks.py
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from remat.graph.profiles import get_profile  # noqa: E402
+from remat.native.api import analyze as native_analyze  # noqa: E402
+from remat.native.api import kv_cache_off  # noqa: E402
+from remat.native.planner import NATIVE_PLANS, fixed_policies, uniform_plans  # noqa: E402
+from remat.native.regions import find_blocks  # noqa: E402
+from remat.pipeline import analyze  # noqa: E402
+from remat.request import Request  # noqa: E402
+from remat.solver.registry import HEURISTICS, least_peak  # noqa: E402
+from tests.zoo import NATIVE_ZOO  # noqa: E402
+
+DECODERS = ("tiny_gpt", "hf_gpt2", "hf_llama_gqa", "hf_mixtral_moe")
+
+
+def main() -> None:
+    rows = []
+    for case in (c for c in NATIVE_ZOO if c.name in DECODERS):
+        torch.manual_seed(0)
+        model, args = case.build().train(), case.inputs()
+        problem = analyze(model, args, case.kwargs, device_profile="cpu").problem
+        graph = min(least_peak(problem, n) for n in HEURISTICS)
+        with kv_cache_off(model):
+            traced, native = native_analyze(
+                model, find_blocks(model), args, case.kwargs, Request.of(), get_profile("cpu")
+            )
+            plans = {n: fixed_policies(native, n) for n in NATIVE_PLANS} | uniform_plans(native)
+            traces = {n: traced.trace(args, case.kwargs, p) for n, p in plans.items()}
+        name, best = min(traces.items(), key=lambda kv: kv[1].peak_bytes)
+        at = best.events[best.peak_event]
+        where = best.blocks[at.block] if at.block >= 0 else "outside the blocks"
+        rows.append(
+            {
+                "model": case.name,
+                "graph_least_bytes": graph,
+                "native_least_bytes": best.peak_bytes,
+                "ratio": round(best.peak_bytes / graph, 4),
+                "native_plan": name,
+                "native_peak_at": f"{at.phase} {at.op} ({where})",
+            }
+        )
+    table = Table(title="least peak per executor (allocator, fp32, CPU profile)")
+    for col in rows[0]:
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*(str(v) for v in r.values()))
+    Console(width=160).print(table)
+    out = Path(__file__).parent / "results" / "least_peaks.csv"
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""``remat.apply``'s executor at every shape: its formula against traces and measured steps
+at shapes it was not built from, and ``remat fit --executor sac`` checked one size up."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import remat
+from remat.budget import Options
+from remat.cli import main
+from remat.fit import FIXED_SAC, FitReport, fit
+from remat.graph.dynamic import Dims, inputs_at
+from remat.graph.profiles import get_profile
+from remat.meter import measure_step
+from remat.native.api import NATIVE_SOLVERS, analyze, kv_cache_off
+from remat.native.planner import NATIVE_PLANS
+from remat.native.regions import find_blocks
+from remat.request import Request, model_static_memory
+from remat.solver.formula import FitError
+from tests.checks import assert_peak_close
+from tests.zoo import llama
+
+_CACHE: dict[str, Any] = {}
+
+
+def _tokens(b: int, s: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return llama(2, 64).train()
+
+
+def test_formula_is_the_trace_and_the_measured_step_at_other_shapes() -> None:
+    """Every block recomputed (keep_all and keep_matmuls: the tests below)."""
+    plan = "block"
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    formula = remat.memory_formula(model, (_tokens(2, 16),), executor="sac", plan=plan)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert model.config.use_cache  # restored after the traces
+    assert formula.plan == f"native:{plan}"
+    for b, s in ((1, 9), (5, 23), (3, 64)):  # fitted at b in 1..3, s in 12..16
+        x = (_tokens(b, s, seed=b * s),)
+        applied = remat.plan_of(remat.apply(model, x, plan=plan))
+        assert formula.step_peak_bytes(b, s) == applied.predicted_peak_bytes, (b, s)
+        assert formula.tensor_peak_bytes(b, s) == applied.predicted_tensor_peak_bytes, (b, s)
+        measured = measure_step(model, x)
+        model.zero_grad(set_to_none=True)  # the next step allocates its gradients again
+        assert measured.peak_bytes == formula.tensor_peak_bytes(b, s), (b, s)
+        remat.unapply(model)
+    static = model_static_memory(model, Options())
+    assert formula.peak_bytes(3, 64) == static.total + formula.step_peak_bytes(3, 64)
+
+
+def test_formula_at_the_allocator_is_a_measured_run() -> None:
+    model = _model()
+    formula = remat.memory_formula(model, (_tokens(2, 16),), executor="sac", plan="keep_matmuls")
+    x = (_tokens(4, 40),)
+    remat.apply(model, x, plan="keep_matmuls")
+    assert formula.step_peak_bytes(4, 40) == remat.plan_of(model).predicted_peak_bytes
+    measured = measure_step(model, x, allocator=True)
+    assert measured.allocator_peak_bytes is not None
+    assert_peak_close(formula.step_peak_bytes(4, 40), measured.allocator_peak_bytes, "allocator")
+
+
+def test_formula_bad_input() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="valid: graph, sac"):
+        remat.memory_formula(model, (_tokens(2, 16),), executor="fsdp")
+    with pytest.raises(ValueError, match="keep_all, keep_matmuls, block"):
+        remat.memory_formula(model, (_tokens(2, 16),), executor="sac", plan="megatron")
+
+
+class _Branches(torch.nn.Module):
+    """Runs another op above a length: no formula covers both sides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h.exp().sum() if ids.shape[1] > 14 else h.sum()
+
+
+def test_formula_of_a_model_that_branches_on_a_size_says_so() -> None:
+    with pytest.raises(FitError, match="branches on a size"):
+        remat.memory_formula(_Branches(), (_tokens(2, 16) % 16,), executor="sac")
+
+
+def _report() -> tuple[Any, tuple[Any, ...], FitReport]:
+    if "r" not in _CACHE:
+        torch.manual_seed(0)
+        model = llama(2, 64)
+        args = (_tokens(2, 16),)
+        static = model_static_memory(model, Options()).total
+        # Room for no checkpointing up to about length 32 at batch 2.
+        report = fit(model, args, budget_bytes=static + 1_500_000, reserve_fraction=0.0,
+                     device_profile="h100", executor="sac")  # fmt: skip
+        _CACHE["r"] = (model, args, report)
+    return _CACHE["r"]
+
+
+def _fits(model: Any, args: Any, report: FitReport, name: str, b: int, s: int) -> bool:
+    """Trace each of the row's plans at (b, s) as remat.apply would, and apply its rule."""
+    x, kw = inputs_at(args, {}, Dims.of(args, {}), b, s)
+    profile = get_profile("h100")
+    assert report.planner is not None
+    policies = report.planner.dynamic.policies  # type: ignore[attr-defined]
+    if name in FIXED_SAC:
+        policies = {FIXED_SAC[name]: policies[FIXED_SAC[name]]}
+    with kv_cache_off(model):
+        traced, _ = analyze(model, find_blocks(model), x, kw, Request.of(), profile)
+        options = []
+        for p in policies.values():
+            t = traced.trace(x, kw, p)
+            step = sum(e.time_s for e in t.events)
+            options.append((t.peak_bytes, 100 * t.recompute_time_s / step))
+    cap = 100.0 if not name.startswith("remat <= ") else float(name[9:-1])
+    peaks = [p for p, pct in options if pct <= cap + 1e-9]
+    return bool(peaks) and min(peaks) <= report.budget.step_budget_bytes
+
+
+@pytest.mark.parametrize("name", ["no checkpointing", "every block", "remat <= 20%"])
+def test_native_fit_answers_fit_and_the_next_size_does_not(name: str) -> None:
+    model, args, report = _report()
+    row = report.plans[name]
+    assert row.max_seq is not None and row.max_batch is not None
+    assert row.max_seq < 64, "the budget should bind below the model's positions"
+    assert _fits(model, args, report, name, report.batch, row.max_seq)
+    assert not _fits(model, args, report, name, report.batch, row.max_seq + 1)
+    if name != "remat <= 20%":  # the batch search: checked on the fixed plans
+        assert _fits(model, args, report, name, row.max_batch, 16)
+        assert not _fits(model, args, report, name, row.max_batch + 1, 16)
+
+
+def test_native_fit_checkpointing_fits_longer() -> None:
+    _, _, report = _report()
+    rows = report.plans
+    assert rows["every block"].max_seq > rows["no checkpointing"].max_seq  # type: ignore[operator]
+    assert rows["least peak"].max_seq >= rows["every block"].max_seq  # type: ignore[operator]
+    assert report.formula.plan == "native:keep_all"
+    assert set(FIXED_SAC) < set(rows)
+
+
+def test_cli_fit_and_compare_plan_the_sac_executor(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    import csv
+
+    _, _, report = _report()
+    seen: dict[str, Any] = {}
+
+    def fake_fit(*args: Any, **kwargs: Any) -> FitReport:
+        seen.update(kwargs)
+        return report
+
+    monkeypatch.setattr("remat.cli.fit", fake_fit)
+    factory = "tests.zoo:tiny_llama_factory"
+    assert main(["fit", factory, "--budget-gb", "0.02", "--executor", "sac"]) == 0
+    assert seen["executor"] == "sac" and seen["shallow"] is None
+    captured = capsys.readouterr()
+    assert "keep matmuls" in captured.out and "native:keep_all" in captured.out
+    assert "selective checkpointing" in captured.err
+
+    out = tmp_path / "cmp.csv"
+    assert main(["compare", factory, "--executor", "sac", "--sweep", "2", "--optimizer", "none",
+                 "--time-limit", "2", "--csv", str(out)]) == 0  # fmt: skip
+    rows = list(csv.DictReader(out.open()))
+    names = {f"plan:{n}" for n in NATIVE_PLANS} | {"auto", *NATIVE_SOLVERS}
+    assert {r["solver"] for r in rows} == names
+    assert len({r["budget_bytes"] for r in rows}) == 2
+    fitting = [r for r in rows if not r["error"]]
+    assert any(r["solver"] == "auto" for r in fitting)
+    for r in fitting:
+        assert int(r["total_bytes"]) <= int(r["budget_bytes"]), r
+    assert any(r["solver"] == "plan:keep_all" and r["error"] for r in rows)  # least budget
