@@ -3,7 +3,8 @@
 remat's whole-graph executor, which can recompute anywhere.
 
 Native: the least traced peak among its fixed plans and the chain DP's uniform menu options
-(every block recomputed is usually the least). Graph: the least simulated peak of the
+(every region recomputed is usually the least), on the blocks and on the blocks' sub-modules
+(:func:`remat.native.regions.split_blocks`, which ``auto`` also plans on). Graph: the least simulated peak of the
 heuristics the budget search uses (:func:`remat.solver.registry.least_peak`). Both at the
 allocator, for one fp32 training step on the CPU profile. Also where the native least peak
 falls (the op and whether it is inside a block). Writes ``experiments/results/least_peaks.csv``.
@@ -28,7 +29,7 @@ from remat.graph.profiles import get_profile  # noqa: E402
 from remat.native.api import analyze as native_analyze  # noqa: E402
 from remat.native.api import kv_cache_off  # noqa: E402
 from remat.native.planner import NATIVE_PLANS, fixed_policies, uniform_plans  # noqa: E402
-from remat.native.regions import find_blocks  # noqa: E402
+from remat.native.regions import find_blocks, split_blocks  # noqa: E402
 from remat.pipeline import analyze  # noqa: E402
 from remat.request import Request  # noqa: E402
 from remat.solver.registry import HEURISTICS, least_peak  # noqa: E402
@@ -44,22 +45,29 @@ def main() -> None:
         model, args = case.build().train(), case.inputs()
         problem = analyze(model, args, case.kwargs, device_profile="cpu").problem
         graph = min(least_peak(problem, n) for n in HEURISTICS)
-        with kv_cache_off(model):
-            traced, native = native_analyze(
-                model, find_blocks(model), args, case.kwargs, Request.of(), get_profile("cpu")
-            )
-            plans = {n: fixed_policies(native, n) for n in NATIVE_PLANS} | uniform_plans(native)
-            traces = {n: traced.trace(args, case.kwargs, p) for n, p in plans.items()}
-        name, best = min(traces.items(), key=lambda kv: kv[1].peak_bytes)
+        blocks = find_blocks(model)
+        least = {}
+        for regions, label in ((blocks, "blocks"), (split_blocks(model, blocks), "sub-modules")):
+            with kv_cache_off(model):
+                traced, native = native_analyze(
+                    model, regions, args, case.kwargs, Request.of(), get_profile("cpu"),
+                    fsdp_units=blocks,
+                )  # fmt: skip
+                plans = {n: fixed_policies(native, n) for n in NATIVE_PLANS}
+                plans |= uniform_plans(native)
+                traces = {n: traced.trace(args, case.kwargs, p) for n, p in plans.items()}
+            least[label] = min(traces.items(), key=lambda kv: kv[1].peak_bytes)
+        label, (name, best) = min(least.items(), key=lambda kv: kv[1][1].peak_bytes)
         at = best.events[best.peak_event]
         where = best.blocks[at.block] if at.block >= 0 else "outside the blocks"
         rows.append(
             {
                 "model": case.name,
                 "graph_least_bytes": graph,
+                "native_blocks_least_bytes": least["blocks"][1].peak_bytes,
                 "native_least_bytes": best.peak_bytes,
                 "ratio": round(best.peak_bytes / graph, 4),
-                "native_plan": name,
+                "native_plan": f"{name} on the {label}",
                 "native_peak_at": f"{at.phase} {at.op} ({where})",
             }
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,9 @@ from remat.solver.plan import Plan, Proof, make_plan
 
 FORMAT = "remat-plan"
 VERSION = 1
+GRAPH = "graph"
+"""``graph.executor`` of remat.optimize's plan files (absent in files written before it was
+recorded)."""
 NATIVE = "native-sac"
 """``graph.executor`` of a plan made by :func:`remat.apply`."""
 
@@ -151,23 +154,46 @@ def read_plan(path: str | Path) -> PlanFile:
         raise PlanFileError(f"plan file {path} is corrupt: {e}") from None
 
 
+_LOAD_WITH = {
+    GRAPH: "a remat.optimize plan (joint-graph node names): load it with "
+    "remat.optimize(model, inputs, plan=...)",
+    NATIVE: "a remat.apply plan (SAC policies on the model's own blocks): load it with "
+    "remat.apply(model, inputs, plan=...)",
+}
+
+
+def load(
+    path: str | Path,
+    *,
+    executor: str,
+    fingerprint: str,
+    difference: Callable[[Mapping[str, Any]], str] = lambda record: "another model",
+) -> PlanFile:
+    """Read a plan file for ``executor`` (:data:`GRAPH` or :data:`NATIVE`), checking that it
+    was solved for that executor and for what has ``fingerprint`` here (``difference``: what
+    differs, from the file's record, for the message). The one loader of both front doors."""
+    f = read_plan(path)
+    theirs = f.record.get("graph", {}).get("executor", GRAPH)
+    if theirs != executor:
+        raise PlanFileError(f"plan file {path} holds {_LOAD_WITH.get(theirs, repr(theirs))}")
+    if f.fingerprint != fingerprint:
+        raise PlanFileError(
+            f"plan file {path} was solved for {difference(f.record)} (fingerprint "
+            f"{f.fingerprint[:12]}, this model's {fingerprint[:12]}). It was written with "
+            f"torch {f.torch_version} (this is {torch.__version__}) and remat "
+            f"{f.remat_version}. Plan again for this model and inputs."
+        )
+    return f
+
+
 def plan_from_file(path: str | Path, problem: Problem) -> Plan:
     """The file's plan for ``problem``, after checking it was solved for this very graph."""
-    f = read_plan(path)
-    if f.record.get("graph", {}).get("executor") == NATIVE:
-        raise PlanFileError(
-            f"plan file {path} holds a remat.apply plan (SAC policies on the model's own "
-            "blocks): load it with remat.apply(model, inputs, plan=...)"
-        )
-    mine = fingerprint(problem)
-    if f.fingerprint != mine:
-        raise PlanFileError(
-            f"plan file {path} was solved for a different graph (fingerprint "
-            f"{f.fingerprint[:12]}, this model's {mine[:12]}): "
-            + _difference(f.record, problem)
-            + f". It was written with torch {f.torch_version} (this is {torch.__version__}) and "
-            f"remat {f.remat_version}. Plan again for this model and inputs."
-        )
+    f = load(
+        path,
+        executor=GRAPH,
+        fingerprint=fingerprint(problem),
+        difference=lambda record: f"a different graph: {_difference(record, problem)}",
+    )
     unknown = sorted(f.saved - set(problem.by_name))
     if unknown:  # same fingerprint but edited by hand
         raise PlanFileError(f"plan file {path} saves values the graph lacks: {unknown[:5]}")

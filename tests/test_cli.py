@@ -83,7 +83,7 @@ def test_plan_sac_executor_writes_a_file_apply_takes(
                  "--save", str(path)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "executor: PyTorch's selective checkpointing" in out and "plan by block" in out
+    assert "executor: PyTorch's selective checkpointing" in out and "plan by region" in out
     assert "transformer.h.1" in out and path.exists()
     written = remat.planfile.read_plan(path)
     assert written.record["graph"]["executor"] == remat.planfile.NATIVE

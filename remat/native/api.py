@@ -31,7 +31,15 @@ from remat.native import planner, regions
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
 from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
-from remat.planfile import NATIVE, PlanFileError, document, read_plan, write_document
+from remat.planfile import (
+    NATIVE,
+    PlanFile,
+    PlanFileError,
+    document,
+    load,
+    read_plan,
+    write_document,
+)
 from remat.request import (
     Request,
     RequestArgs,
@@ -66,7 +74,9 @@ def apply(
     a policy that keeps some ops' outputs and recomputes the rest in the backward (dropout
     replays its random state: gradients are bitwise those of the unwrapped model). Parameters,
     buffers and ``state_dict`` keys are untouched; :func:`unapply` restores the blocks.
-    Code outside the blocks (embeddings, head, loss) runs eagerly. The KV cache of every
+    Where the blocks' plan recomputes, ``auto`` also plans with each block's sub-modules as
+    the regions (:func:`remat.native.regions.split_blocks`) and keeps the cheaper plan that
+    fits. Code outside the regions (embeddings, head, loss) runs eagerly. The KV cache of every
     Hugging Face model inside ``model`` (itself, or one a training wrapper calls) is turned off
     (``config.use_cache = False``, as ``gradient_checkpointing_enable()`` does; ``unapply``
     restores it).
@@ -134,11 +144,11 @@ def apply(
         chosen = replace(chosen, device_memory=device.breakdown(chosen))
 
     modules = dict(model.named_modules())
-    for path, policy in zip(blocks, solution.policies, strict=True):
+    for path, policy in zip(problem.blocks, solution.policies, strict=True):
         regions.wrap(modules[path], path, policy)
     model.__dict__[_STATE] = Applied(
         chosen,
-        blocks,
+        problem.blocks,
         solution.policies,
         {"plan": t1 - t0},
         use_cache,
@@ -206,24 +216,35 @@ def analyze(
     kwargs: Mapping[str, Any],
     req: Request,
     profile: DeviceProfile,
+    *,
+    fsdp_units: tuple[str, ...] | None = None,
 ) -> tuple[Traced, planner.NativeProblem]:
-    """The step with every block eager, traced on a FakeTensor copy of ``model`` (sharded
-    with FSDP2 for ``zero_stage=3`` over several ranks), or on a real copy of a CPU model
-    whose step FakeTensors cannot run. The model's KV cache must be off."""
+    """The step with every region (``blocks``) eager, traced on a FakeTensor copy of
+    ``model`` (sharded with FSDP2 for ``zero_stage=3`` over several ranks: ``fsdp_units``, by
+    default the regions), or on a real copy of a CPU model whose step FakeTensors cannot run.
+    The regions are put in the order their forwards run. The model's KV cache must be off."""
     options = req.training
     precision = options.precision
     autocast, mp = AUTOCAST.get(precision), FSDP_PARAM_DTYPES.get(precision)
     fsdp = options.world_size if options.zero_stage == 3 and options.world_size > 1 else None
-    fake = FakeModel(model, blocks, fsdp_world=fsdp, fsdp_param_dtype=mp)
-    try:
+
+    def traced_on(real: bool) -> tuple[FakeModel, planner.NativeProblem]:
+        fake = FakeModel(
+            model, blocks, real=real, fsdp_world=fsdp, fsdp_param_dtype=mp, fsdp_units=fsdp_units
+        )
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+        if fake.in_call_order(problem.baseline) != tuple(range(len(blocks))):
+            problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+        return fake, problem
+
+    try:
+        fake, problem = traced_on(real=False)
     except TraceError as e:
         if not _real_fallback(model):
             raise
         if req.progress:
             req.progress(f"tracing on a real copy of the model: {e}")
-        fake = FakeModel(model, blocks, real=True, fsdp_world=fsdp, fsdp_param_dtype=mp)
-        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+        fake, problem = traced_on(real=True)
     return Traced(fake, profile, autocast), problem
 
 
@@ -236,25 +257,81 @@ def _plan(
     step_budget: int | None,
     profile: DeviceProfile,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
-    """Trace the step with every block eager, then solve (or load, or fix) the policies."""
-    traced, problem = analyze(model, blocks, args, kwargs, req, profile)
+    """Trace the step with every region eager, then solve (or load, or fix) the policies.
+    ``auto`` plans on the blocks and, where that recomputes, also on each block's
+    sub-modules (:func:`remat.native.regions.split_blocks`): the cheaper traced plan that
+    fits wins (each granularity has the request's time limit)."""
     plan = req.plan
 
-    def tracer(policies: Any) -> Any:
-        return traced.trace(args, kwargs, policies)
+    def on(regions_: tuple[str, ...]) -> tuple[planner.NativeProblem, planner.Tracer]:
+        traced, problem = analyze(model, regions_, args, kwargs, req, profile, fsdp_units=blocks)
+        return problem, lambda policies: traced.trace(args, kwargs, policies)
 
     if req.is_plan_file():
         assert isinstance(plan, (str, Path))
+        problem, tracer = on(_file_regions(read_plan(plan), model, blocks))
         return problem, _from_file(problem, plan, tracer)
+    problem, tracer = on(blocks)
     if isinstance(plan, str):
         solution = planner.fixed(problem, plan, tracer)
         if step_budget is not None and solution.trace.peak_bytes > step_budget:
             raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
         return problem, solution
-    return problem, planner.solve(
-        problem, tracer, budget_bytes=step_budget, config=req.solver_config(),
-        solver=req.solver or "auto",
-    )  # fmt: skip
+    solver, config = req.solver or "auto", req.solver_config()
+    try:
+        best: tuple[planner.NativeProblem, planner.Solution] | None = (
+            problem,
+            planner.solve(problem, tracer, budget_bytes=step_budget, config=config, solver=solver),
+        )
+        error: BudgetError | None = None
+    except BudgetError as e:
+        best, error = None, e
+    split = regions.split_blocks(model, blocks)
+    if solver != "auto" or step_budget is None or len(split) <= len(blocks):
+        return _best(best, error)
+    if best is not None and best[1].trace.recompute_time_s == 0:
+        return best
+    if config.progress:
+        config.progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
+    try:
+        finer, finer_tracer = on(split)
+        solution = planner.solve(finer, finer_tracer, budget_bytes=step_budget, config=config)
+    except BudgetError as e:
+        if error is None or e.least_peak_bytes < error.least_peak_bytes:
+            error = e
+        return _best(best, error)
+    except TraceError as e:  # a sub-module the step does not call, say: the blocks' plan
+        if config.progress:
+            config.progress(f"native: the sub-modules cannot be regions ({e})")
+        return _best(best, error)
+    solution = replace(
+        solution, reason=f"regions: the blocks' {len(split)} sub-modules; {solution.reason}"
+    )
+    if best is None or _cost(solution) < _cost(best[1]):
+        return finer, solution
+    return best
+
+
+def _cost(solution: planner.Solution) -> tuple[float, int]:
+    return solution.trace.recompute_time_s, solution.trace.peak_bytes
+
+
+def _best(
+    best: tuple[planner.NativeProblem, planner.Solution] | None, error: BudgetError | None
+) -> tuple[planner.NativeProblem, planner.Solution]:
+    if best is None:
+        assert error is not None
+        raise error
+    return best
+
+
+def _file_regions(f: PlanFile, model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """The regions a native plan file was solved on: the blocks, or their sub-modules."""
+    saved = tuple(f.record.get("graph", {}).get("blocks", ()))
+    split = regions.split_blocks(model, blocks)
+    if saved and set(saved) != set(blocks) and set(saved) == set(split):
+        return split  # put in the order the forward runs them, as when it was solved
+    return blocks
 
 
 @contextlib.contextmanager
@@ -276,22 +353,16 @@ def save_plan(model: nn.Module, path: str | Path) -> Path:
     return write_document(document(state.plan, state.fingerprint, graph), path)
 
 
-def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) -> Any:
-    f = read_plan(path)
-    theirs = f.record.get("graph", {})
-    if theirs.get("executor") != NATIVE:
-        raise PlanFileError(
-            f"plan file {path} was solved for remat.optimize's executor (joint-graph node "
-            "names), not for remat.apply: load it with remat.optimize(..., plan=...)"
-        )
-    mine = planner.fingerprint(problem)
-    if f.fingerprint != mine:
-        raise PlanFileError(
-            f"plan file {path} was solved for other blocks or shapes (fingerprint "
-            f"{f.fingerprint[:12]}, this model's {mine[:12]}; blocks there: "
-            f"{len(theirs.get('blocks', []))}, here: {len(problem.blocks)}). It was written "
-            f"with torch {f.torch_version} (this is {torch.__version__}). Plan again."
-        )
+def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) -> planner.Solution:
+    f = load(
+        path,
+        executor=NATIVE,
+        fingerprint=planner.fingerprint(problem),
+        difference=lambda record: (
+            f"other blocks or shapes (regions there: {len(record['graph'].get('blocks', []))}, "
+            f"here: {len(problem.blocks)})"
+        ),
+    )
     try:
         policies = planner.policies_from_saved(problem, f.saved)
     except ValueError as e:

@@ -31,7 +31,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -54,7 +53,7 @@ from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import executor_of
 from remat.solver.plan import Plan, Proof
 from remat.solver.schedule import Schedule
-from remat.solver.simulate import Simulation, TimelineStep
+from remat.solver.simulate import SecondCopyError, Simulation, TimelineStep
 
 COVERAGE = (0.99, 0.95, 0.9, 0.8, 0.65, 0.5, 0.35, 0.2)
 """Shares of a block's recompute time the intermediate menu options keep. On an 8-layer Llama
@@ -291,8 +290,12 @@ def solve(
     if left > 0:
         progress("native: the exact MILP on the step's dataflow (sac executor)")
         milp_config = dataclasses.replace(config, time_limit_s=left)
-        with contextlib.suppress(BudgetError):
+        try:
             milp = planned(problem, tracer, "exact", budget_bytes=budget_bytes, config=milp_config)
+        except BudgetError:
+            pass
+        except SecondCopyError as e:
+            progress(f"native: the step's dataflow is beyond the MILP's model ({e}): chain DP only")
     took = f"{time.perf_counter() - t0:.1f} s"
     if isinstance(chain, BudgetError):
         if milp is None:

@@ -83,6 +83,21 @@ def find_blocks(model: nn.Module, block_types: tuple[str, ...] = ()) -> tuple[st
     return tuple(p for p in modules if (m := INDEXED.match(p)) and m.group(1) == prefix)
 
 
+def split_blocks(model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """Each block's direct children that hold parameters (attention, MLP, norms): regions
+    a step finer than the blocks, in module order. Why: SAC recomputes a region's forward
+    whole at its first unpack in the backward, so a block recomputed whole holds all its
+    internals at once; its sub-modules recomputed one by one hold one's at a time, which is
+    how a smaller peak is reached (the code between them, residual adds, runs eagerly)."""
+    modules = dict(model.named_modules())
+    out: list[str] = []
+    for path in blocks:
+        for name, child in modules[path].named_children():
+            if any(True for _ in child.parameters()):
+                out.append(f"{path}.{name}" if path else name)
+    return tuple(out)
+
+
 @dataclass
 class Region:
     """What remat attached to one block: its path and the policy it runs with."""

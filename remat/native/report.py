@@ -1,5 +1,5 @@
 """``remat.explain(model)`` for a model prepared with :func:`remat.apply`: the device's memory
-and, per block, what its policy keeps and what its backward recomputes."""
+and, per region (a block, or a block's sub-module), what its policy keeps and what its backward recomputes."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
         memory.add_row("total", _bytes(mem["total"]), f"budget {_bytes(mem['budget'])}")
     console.print(memory)
 
-    blocks = Table(title="plan by block", title_justify="left")
-    for col in ("block", "option", "keeps", "recompute ms"):
+    blocks = Table(title="plan by region", title_justify="left")
+    for col in ("region", "option", "keeps", "recompute ms"):
         blocks.add_column(col, justify="right" if col == "recompute ms" else "left")
     options = state.options or ("",) * len(state.blocks)
     times = state.block_recompute_s or (0.0,) * len(state.blocks)
@@ -54,7 +54,8 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
     sim = plan.simulation
     share = sim.recompute_time_s / sim.step_time_s if sim.step_time_s else 0.0
     console.print(
-        f"{len(plan.recomputed)} ops recomputed ({sim.recompute_flops / 1e9:,.2f} GFLOP, "
-        f"{share:.2%} of the estimated step); outside the blocks: eager. {plan.reason}"
+        f"{len(plan.recomputed)} ops recomputed ({sim.recompute_flops / 1e9:,.2f} GFLOP of "
+        f"matmuls and attention, {share:.2%} of the estimated step time); outside the "
+        f"regions: eager. {plan.reason}"
     )
     return buf.getvalue()

@@ -411,7 +411,11 @@ class FakeModel:
     step is traced as one rank runs it: gathered parameters of the running and prefetched
     blocks, gradients before and after reduce-scatter. ``fsdp_param_dtype``: FSDP2's own mixed
     precision (:func:`remat._torch_compat.fully_shard_blocks`): parameters gathered in that
-    dtype, gradients reduced in fp32."""
+    dtype, gradients reduced in fp32. ``fsdp_units``: the modules sharded, where they are not
+    the regions (regions finer than the blocks, :func:`remat.native.regions.split_blocks`,
+    run inside the blocks FSDP2 shards).
+
+    The regions are traced in the order their forwards first run (:meth:`in_call_order`)."""
 
     def __init__(
         self,
@@ -421,6 +425,7 @@ class FakeModel:
         real: bool = False,
         fsdp_world: int | None = None,
         fsdp_param_dtype: torch.dtype | None = None,
+        fsdp_units: Sequence[str] | None = None,
     ) -> None:
         self.real = real
         self.source_device = device_of(model)
@@ -452,10 +457,22 @@ class FakeModel:
                     "run on them: plan without zero_stage=3 (the single-device step)"
                 )
             self.world = tc.FakeWorld(fsdp_world)
+            units = self._blocks if fsdp_units is None else [modules[p] for p in fsdp_units]
             with self.world.active():
-                tc.fully_shard_blocks(
-                    self.module, self._blocks, fsdp_world, self.mode, fsdp_param_dtype
-                )
+                tc.fully_shard_blocks(self.module, units, fsdp_world, self.mode, fsdp_param_dtype)
+
+    def in_call_order(self, trace: StepTrace) -> tuple[int, ...]:
+        """The permutation that sorts the regions by where their forward first ran in
+        ``trace``; the copy's regions are put in that order (a chain's order, which the
+        planner's per-region costs read), and the permutation returned."""
+        first: dict[int, int] = {}
+        for k, e in enumerate(trace.events):
+            if e.phase == "forward" and e.block >= 0:
+                first.setdefault(e.block, k)
+        order = tuple(sorted(range(len(self.blocks)), key=lambda b: first.get(b, len(first))))
+        self.blocks = tuple(self.blocks[b] for b in order)
+        self._blocks = [self._blocks[b] for b in order]
+        return order
 
     def trace(
         self,

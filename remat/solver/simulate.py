@@ -148,12 +148,20 @@ def _run_graph(
         if name in recomputed:
             # build_schedule saves such an op instead: its storage cannot be named twice.
             held = [s for s in problem.by_name[name].allocates if mem.holders[s]]
-            assert not held, f"recomputing {name} would copy storages still held: {held}"
+            if held:
+                raise SecondCopyError(f"recomputing {name} would copy storages still held: {held}")
         mem.hold(name)
         allocated = mem.live
         for dead in frees.get(k, ()):
             mem.drop(dead)
         mem.record(phase, name, allocated, name in recomputed, problem.by_name[name].scratch_bytes)
+
+
+class SecondCopyError(ValueError):
+    """A schedule recomputes an op whose output storage is still held: a second copy of one
+    storage, which the simulator's accounting (one storage, one name) cannot represent.
+    remat's executor never does it (it saves such an op instead); PyTorch's checkpoint can,
+    where a region's output is an op its replay runs again."""
 
 
 def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -> Simulation:
