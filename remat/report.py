@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from remat.budget import format_bytes as _bytes
+from remat.memory_table import memory_table as device_memory_table
 from remat.native.report import explain_applied
 from remat.native.state import applied
 from remat.problem import Problem, Role
@@ -46,43 +47,12 @@ def memory_table(plan: Plan, problem: Problem) -> Table:
     grads = problem.storages_bytes(
         s for g in problem.grad_outputs for s in problem.by_name[g].storages
     )
-    mem = plan.device_memory
-    table = Table(title="memory per device", title_justify="left")
-    table.add_column("what")
-    table.add_column("bytes", justify="right")
-    table.add_column("note")
-    if mem is not None:
-        table.add_row("parameters", _bytes(mem["parameters"]), "held across steps")
-        table.add_row("optimizer state", _bytes(mem["optimizer_state"]), "held across steps")
-        if mem["gradient_shards"]:
-            table.add_row("gradient shards", _bytes(mem["gradient_shards"]), "ZeRO >= 2")
-    table.add_row(
-        "gradients",
-        _bytes(grads),
-        "inside the step peak" if problem.grads_held else "released as produced (ZeRO >= 2)",
-    )
-    table.add_row(
-        "step peak, keep all",
-        _bytes(keep_all.predicted_peak_bytes),
-        "what eager autograd would need",
-    )
-    table.add_row(
-        "step peak, planned",
-        _bytes(plan.predicted_peak_bytes),
-        f"at the allocator, at {plan.simulation.peak_step}",
-    )
-    table.add_row(
-        "step peak, tensors only",
-        _bytes(plan.predicted_tensor_peak_bytes),
-        f"live storages at their own peak; kernel scratch {problem.metadata.get('scratch', '')}",
-    )
-    if mem is not None:
-        table.add_row("reserve", _bytes(mem["reserve"]), "allocator, workspaces, buffers")
-        fits = "fits" if mem["total"] <= mem["budget"] else "OVER"
-        table.add_row(
-            "total", _bytes(mem["total"]), f"{fits}: budget {_bytes(mem['budget'])}", style="bold"
-        )
-    return table
+    held = "inside the step peak" if problem.grads_held else "released as produced (ZeRO >= 2)"
+    rows = [
+        ("gradients", grads, held),
+        ("step peak, keep all", keep_all.predicted_peak_bytes, "what eager autograd would need"),
+    ]
+    return device_memory_table(plan, rows, str(problem.metadata.get("scratch", "")))
 
 
 def plan_table(plan: Plan, problem: Problem) -> Table:

@@ -50,13 +50,14 @@ from remat.request import (
 )
 from remat.solver.config import BudgetError
 from remat.solver.plan import Plan
-from remat.solver.registry import FIXED_LIFETIME_SOLVERS
+from remat.solver.registry import solvers_for
 
 __all__ = ["NATIVE_SOLVERS", "apply", "save_plan", "unapply"]
 
-NATIVE_SOLVERS = tuple(FIXED_LIFETIME_SOLVERS)
-"""Solvers ``remat.apply(..., solver=)`` takes besides ``auto``: those that plan for the
-``sac`` executor (fixed lifetimes)."""
+NATIVE_SOLVERS = tuple(name for name in solvers_for("sac") if name != "auto")
+"""Solvers ``remat.apply(..., solver=)`` takes besides ``auto`` (its own: the chain DP and the
+MILP, every plan traced): those of :data:`remat.solver.registry.SOLVER_TABLE` for the ``sac``
+executor."""
 
 
 def apply(

@@ -8,7 +8,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from remat.budget import format_bytes as _bytes
+from remat.memory_table import memory_table
 from remat.native.state import Applied
 
 
@@ -17,29 +17,11 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
     plan = state.plan
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False)
-    memory = Table(title="memory per device", title_justify="left")
-    for col in ("what", "bytes", "note"):
-        memory.add_column(col, justify="right" if col == "bytes" else "left")
-    mem = plan.device_memory
-    if mem is not None:
-        memory.add_row("parameters", _bytes(mem["parameters"]), "held across steps")
-        memory.add_row("optimizer state", _bytes(mem["optimizer_state"]), "held across steps")
-        if mem["gradient_shards"]:
-            memory.add_row("gradient shards", _bytes(mem["gradient_shards"]), "ZeRO >= 2")
-    memory.add_row("step, no checkpoint", _bytes(state.eager_peak_bytes), "every block eager")
-    memory.add_row(
-        "step, as planned",
-        _bytes(plan.predicted_peak_bytes),
-        f"at the allocator, at {plan.simulation.peak_step}",
+    memory = memory_table(
+        plan,
+        [("step peak, no checkpoint", state.eager_peak_bytes, "every region eager")],
+        f"and RNG states {state.scratch}",
     )
-    memory.add_row(
-        "step, tensors only",
-        _bytes(plan.predicted_tensor_peak_bytes),
-        f"live storages at their own peak; kernel scratch and RNG states {state.scratch}",
-    )
-    if mem is not None:
-        memory.add_row("reserve", _bytes(mem["reserve"]), "allocator, workspaces")
-        memory.add_row("total", _bytes(mem["total"]), f"budget {_bytes(mem['budget'])}")
     console.print(memory)
 
     blocks = Table(title="plan by region", title_justify="left")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from remat.problem import Problem, Role
+from remat.solver.plan import Plan, Proof, make_plan
 
 MATMUL_OPS = frozenset(
     {
@@ -76,3 +77,16 @@ def fixed_saved_set(problem: Problem, name: str) -> dict[str, str]:
             f"unknown plan {name!r}; valid plans: {', '.join(sorted(FIXED_PLANS))}"
         ) from None
     return rule(problem)
+
+
+def keep_all_plan(problem: Problem, solver: str) -> Plan:
+    """``keep_all`` as ``solver``'s plan where it fits: nothing recomputed, which no plan
+    beats (optimal, lower bound 0)."""
+    return make_plan(
+        problem,
+        fixed_saved_set(problem, "keep_all"),
+        solver=solver,
+        reason=f"{solver}: keep_all fits, no recomputation needed (optimal)",
+        proof=Proof.OPTIMAL,
+        lower_bound_s=0.0,
+    )

@@ -20,7 +20,7 @@ from remat.problem import Problem
 from remat.solver.backend import backend
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
-from remat.solver.fixed import fixed_saved_set
+from remat.solver.fixed import fixed_saved_set, keep_all_plan
 from remat.solver.milp import BelowFloor, _budget_error, _least_plan, _Model
 from remat.solver.plan import Plan, Proof, make_plan, proven
 
@@ -29,22 +29,9 @@ RANDOM_ROUNDINGS = 16
 
 def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The cheapest rounding of the LP relaxation that fits ``budget_bytes``."""
-    keep_all = make_plan(
-        problem,
-        fixed_saved_set(problem, "keep_all"),
-        solver="lp_round",
-        reason="",
-        proof=Proof.OPTIMAL,
-    )
+    keep_all = keep_all_plan(problem, "lp_round")
     if budget_bytes is None or keep_all.predicted_peak_bytes <= budget_bytes:
-        return make_plan(
-            problem,
-            keep_all.saved,
-            solver="lp_round",
-            reason="lp_round: keep_all fits, no recomputation needed (optimal)",
-            proof=Proof.OPTIMAL,
-            lower_bound_s=0.0,
-        )
+        return keep_all
     t0 = time.perf_counter()
     comp = compress(problem)
     small = comp.problem

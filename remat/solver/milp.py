@@ -46,7 +46,7 @@ from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.compress import Compressed, compress
 from remat.solver.config import BudgetError, SolverConfig
-from remat.solver.fixed import fixed_saved_set
+from remat.solver.fixed import keep_all_plan
 from remat.solver.plan import Plan, Proof, make_plan
 from remat.solver.simulate import Simulation
 
@@ -656,20 +656,10 @@ def exact(
     records no lower bound, since it proves nothing about plans outside it. Needs a ``start``
     that fits.
     """
-    keep_all = make_plan(
-        problem,
-        fixed_saved_set(problem, "keep_all"),
-        solver="exact",
-        reason="",
-        proof=Proof.OPTIMAL,
-    )
+    keep_all = keep_all_plan(problem, "exact")
     fits = budget_bytes is not None and keep_all.predicted_peak_bytes <= budget_bytes
     if budget_bytes is None or (fits and free is None):
-        return dataclasses.replace(
-            keep_all,
-            reason="exact: keep_all fits, no recomputation needed (optimal)",
-            lower_bound_s=0.0,
-        )
+        return keep_all
     if start is not None and start.predicted_peak_bytes > budget_bytes:
         start = None
     if free is not None and start is None:

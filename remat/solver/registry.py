@@ -25,7 +25,6 @@ from remat.solver.chen import chen_greedy, chen_sqrt
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.descent import descend
-from remat.solver.executor import executor_of
 from remat.solver.lp_round import lp_rounding
 from remat.solver.milp import exact
 from remat.solver.plan import Plan, Proof, proven
@@ -208,17 +207,22 @@ model the graph executor's recompute-at-stage schedule."""
 
 
 def get_solver(name: str, problem: Problem | None = None) -> SolverFn:
-    solvers = SOLVERS
-    if problem is not None and executor_of(problem).lifetimes is not None:
-        solvers = {**FIXED_LIFETIME_SOLVERS, "auto": _spans_auto}
+    """``name``'s solver for ``problem``'s executor (remat's, without a problem)."""
+    executor = "graph" if problem is None else problem.executor
+    solvers = solvers_for(executor)
     try:
         return solvers[name]
     except KeyError:
         on = f" for the {problem.executor} executor" if problem is not None else ""
         raise ValueError(
             f"unknown solver {name!r}{on}; valid solvers: "
-            f"{', '.join(sorted(solvers))}{', auto' if 'auto' not in solvers else ''}"
+            f"{', '.join(sorted(n for n in solvers if n != 'auto'))}, auto"
         ) from None
+
+
+def solvers_for(executor: str) -> Mapping[str, SolverFn]:
+    """The solvers of one executor (:data:`SOLVER_TABLE`), ``auto`` included."""
+    return {name: fn for (ex, name), fn in SOLVER_TABLE.items() if ex == executor}
 
 
 def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
@@ -294,6 +298,16 @@ def _max_lower_bound(plans: list[Plan]) -> float | None:
     return max(bounds) if bounds else None
 
 
+SOLVER_TABLE: Mapping[tuple[str, str], SolverFn] = {
+    **{("graph", name): fn for name, fn in SOLVERS.items()},
+    ("graph", "auto"): solve_auto,
+    **{("sac", name): fn for name, fn in FIXED_LIFETIME_SOLVERS.items()},
+    ("sac", "auto"): _spans_auto,
+}
+"""Every solver by ``(executor, name)``: remat's executor (``graph``) and PyTorch's checkpoint
+executor (``sac``, fixed lifetimes), each with its ``auto``."""
+
+
 def least_peak(problem: Problem, name: str, config: SolverConfig | None = None) -> int:
     """The least peak ``name`` reaches (its plan at budget 0, or the peak its error states);
     a huge number if the solver does not apply (e.g. no blocks)."""
@@ -322,11 +336,7 @@ def solve(
     if budget_bytes is not None and budget_bytes < 0:
         raise ValueError("the budget must be >= 0 bytes")
     config = config or SolverConfig()
-    if executor_of(problem).lifetimes is not None:
-        fn = get_solver(solver, problem)
-    else:
-        fn = solve_auto if solver == "auto" else get_solver(solver)
-    plan = fn(problem, budget_bytes=budget_bytes, config=config)
+    plan = get_solver(solver, problem)(problem, budget_bytes=budget_bytes, config=config)
     if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
         raise BudgetError(budget_bytes, plan.predicted_peak_bytes, f"the peak of {solver}'s plan")
     return plan
