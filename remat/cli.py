@@ -496,6 +496,21 @@ def _shallow(
     return copy, 3, layers
 
 
+def _copies(
+    spec: str, args: argparse.Namespace, model: torch.nn.Module
+) -> Callable[[int], torch.nn.Module] | None:
+    """Copies of a Hugging Face stack with fewer layers (``remat.fit(copies=)``)."""
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not isinstance(layers, int) or not (spec in PRESETS or spec.startswith("hf:")):
+        return None
+
+    def build_with(n: int) -> torch.nn.Module:
+        settings = {**parse_settings(args.set), "num_hidden_layers": n}
+        return build(spec, seq=args.seq, batch=args.batch, settings=settings).model
+
+    return build_with
+
+
 def fit_command(args: argparse.Namespace) -> int:
     """``remat fit MODEL --budget-gb N``: the longest sequence and largest batch per plan."""
     console = _console(140)
@@ -505,6 +520,7 @@ def fit_command(args: argparse.Namespace) -> int:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
         executor = executor_of(args)
         shallow = _shallow(args.model, args, built.model) if executor == "graph" else None
+        copies = _copies(args.model, args, built.model) if executor == "sac" else None
     except ValueError as e:
         err.print(f"[red]remat fit: {e}")
         return 2
@@ -519,6 +535,7 @@ def fit_command(args: argparse.Namespace) -> int:
                 request=_request(args, lambda msg: status.update(msg)),
                 shallow=shallow,
                 executor=executor,
+                copies=copies,
             )
         except (StaticMemoryError, ValueError, TraceError) as e:
             err.print(f"[red]remat fit: {escape(str(e))}")

@@ -39,8 +39,9 @@ from remat.formula import (
 )
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic_deep
 from remat.graph.profiles import DeviceProfile, get_profile
-from remat.native.dynamic import NativeDynamic, native_dynamic
-from remat.native.dynamic import formula_of as native_formula_of
+from remat.native.dynamic import NativeDynamic
+from remat.native.formula import Copies, native_dynamic
+from remat.native.formula import formula_of as native_formula_of
 from remat.pipeline import analyze
 from remat.request import Request, RequestArgs, as_args, request_of, resolve_profile
 from remat.solver.chain import chain_menu
@@ -396,6 +397,7 @@ def fit(
     max_batch: int = 1 << 16,
     shallow: tuple[nn.Module, int, int] | None = None,
     executor: str = "graph",
+    copies: Copies | None = None,
     **flat: Unpack[RequestArgs],
 ) -> FitReport:
     """For each plan, the longest sequence at the example's batch and the largest batch at
@@ -411,7 +413,9 @@ def fit(
     ``executor="sac"``: the plans of ``remat.apply`` (PyTorch's selective checkpointing on
     the blocks; FSDP2 over ``world_size`` ranks with ``zero_stage=3``): no checkpointing, the
     matmul outputs kept, every block recomputed, and the chain DP's menu applied to every
-    block, each traced at the fit's shapes (:mod:`remat.native.dynamic`).
+    block, each traced at the fit's shapes (:mod:`remat.native.dynamic`). ``copies``: a
+    builder of the model with ``n`` blocks, to trace a deep stack's shapes on copies with 3
+    and 4 blocks (:mod:`remat.native.deep`), checked against the model.
     """
     check_executor(executor)
     if request is None:
@@ -432,8 +436,9 @@ def fit(
     profile = resolve_profile(model, req.device_profile)
     if executor == "sac":
         native, _ = native_dynamic(
-            model, args, kwargs, dataclasses.replace(req, max_seq=max_seq), menus=True
-        )
+            model, args, kwargs, dataclasses.replace(req, max_seq=max_seq), menus=True,
+            copies=copies,
+        )  # fmt: skip
         return fit_native(
             native, budget, get_profile(profile), batch=dims.batch, seq=dims.seq,
             seq_limit=max_seq, batch_limit=max_batch, progress=progress,

@@ -22,8 +22,8 @@ from torch import nn
 from remat.budget import Options, StaticMemory
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic, range_text
 from remat.graph.profiles import DeviceProfile
-from remat.native.dynamic import formula_of as native_formula_of
-from remat.native.dynamic import native_dynamic
+from remat.native.formula import formula_of as native_formula_of
+from remat.native.formula import native_dynamic
 from remat.native.planner import NATIVE_PLANS
 from remat.peak_formula import MemoryFormula, RangeFormula
 from remat.pipeline import analyze

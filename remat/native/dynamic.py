@@ -22,18 +22,12 @@ from math import lcm
 from typing import Any
 
 import torch
-from torch import nn
 
-from remat.budget import StaticMemory
-from remat.graph.dynamic import Dims, RangeShapes, inputs_at, range_shapes
-from remat.graph.profiles import DeviceProfile, get_profile
-from remat.native import regions
-from remat.native.api import analyze, kv_cache_off
-from remat.native.planner import NATIVE_PLANS, NativeProblem, fixed_policies, uniform_plans
+from remat.graph.dynamic import Dims, RangeShapes, range_shapes
+from remat.graph.profiles import DeviceProfile
 from remat.native.regions import Policy
 from remat.native.trace import OpEvent, StepTrace
-from remat.peak_formula import MemoryFormula, RangeFormula
-from remat.request import Request, resolve_profile
+from remat.peak_formula import RangeFormula
 from remat.solver.formula import FitError, Fitter, Monomial, Poly, StepPolynomials
 from remat.solver.formula import peak_candidates as _candidates
 
@@ -41,14 +35,15 @@ __all__ = [
     "NativeDynamic",
     "NativeRange",
     "NativeStep",
-    "formula_of",
-    "native_dynamic",
+    "Sample",
+    "moments",
+    "sample_of",
     "trace_dynamic",
 ]
 
-TraceAt = Callable[[int, int | None, Sequence[Policy]], StepTrace]
-"""Traces the step at batch ``b`` and length ``s`` (None: no sequence) with one policy per
-block."""
+SampleAt = Callable[[int, int | None, str, Sequence[Policy]], "Sample"]
+"""The step at batch ``b`` and length ``s`` (None: no sequence) under the named plan (one
+policy per block): traced (:func:`sample_of`), or synthesized from shallow copies."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +61,9 @@ class NativeStep:
     """Per op, whether it launches a kernel (a view takes no time)."""
     recompute: torch.Tensor
     """Per op, whether it is a recomputation."""
+    weights: torch.Tensor
+    """Per op, how many times the step runs it (a deep stack's middle layers' ops stand for
+    all of them, :mod:`remat.native.deep`)."""
 
     def times(self, profile: DeviceProfile, b: int, s: int | None) -> torch.Tensor:
         """Each op's roofline seconds at ``(b, s)``, as the trace times it."""
@@ -75,7 +73,7 @@ class NativeStep:
         flops, moved = self.flops @ x, self.moved @ x
         rate = torch.tensor([profile.flops_per_s(d) for d in self.dtypes], dtype=torch.float64)
         t = torch.maximum(flops / rate, moved / profile.bandwidth) + profile.op_overhead_s
-        return torch.where(self.timed, t, torch.zeros_like(t))
+        return torch.where(self.timed, t, torch.zeros_like(t)) * self.weights
 
     def recompute_pct(self, profile: DeviceProfile, b: int, s: int | None) -> float:
         t = self.times(profile, b, s)
@@ -106,7 +104,7 @@ class NativeDynamic:
 
 
 def trace_dynamic(
-    trace_at: TraceAt,
+    sample_at: SampleAt,
     plans: Mapping[str, Sequence[Policy]],
     dims: Dims,
     *,
@@ -120,16 +118,34 @@ def trace_dynamic(
     ranges = []
     for r in range_shapes(dims, max_seq=max_seq, batch=batch):
         shapes = (*r.fit, *r.check)
-        traces: dict[str, list[StepTrace]] = {name: [] for name in plans}
+        samples: dict[str, list[Sample]] = {name: [] for name in plans}
         for b, s in shapes:
             for name, policies in plans.items():
                 if progress:
                     where = f"b={b}" + (f", s={s}" if has_seq else "")
                     progress(f"tracing {name} at {where}")
-                traces[name].append(trace_at(b, s if has_seq else None, policies))
-        steps = {name: _fit_step(name, r, shapes, t) for name, t in traces.items()}
+                samples[name].append(sample_at(b, s if has_seq else None, name, policies))
+        steps = {name: _fit_step(name, r, shapes, x) for name, x in samples.items()}
         ranges.append(NativeRange(r, steps))
     return NativeDynamic(tuple(ranges), dims, {n: tuple(p) for n, p in plans.items()})
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One plan's step at one shape, as the fit reads it: a traced step
+    (:func:`sample_of`), or one synthesized for a deeper stack (:mod:`remat.native.deep`)."""
+
+    moments: tuple[tuple[str, int, int], ...]
+    """``(name, allocator bytes, tensor bytes)`` of each moment that can hold the peak."""
+    between: tuple[tuple[str, int, bool], ...]
+    """``(label, allocator bytes, also a tensor moment)`` of moments between ops."""
+    ops: tuple[OpEvent, ...]
+    """The ops whose times the step sums, each ``weights[k]`` times."""
+    weights: tuple[int, ...]
+    saved: int
+    """Bytes the forward leaves to the backward."""
+    peak: int
+    tensor_peak: int
 
 
 def _signature(e: OpEvent) -> tuple[object, ...]:
@@ -145,19 +161,41 @@ def moments(trace: StepTrace) -> list[OpEvent]:
     return [e for e in trace.events if e.moved_bytes or e.new_bytes or e.scratch_bytes]
 
 
-def _check_same_ops(
-    name: str, shapes: Sequence[tuple[int, int]], traces: list[list[OpEvent]]
-) -> None:
-    ref = [_signature(e) for e in traces[0]]
-    for (b, s), t in zip(shapes[1:], traces[1:], strict=True):
-        sig = [_signature(e) for e in t]
-        if sig == ref:
+def event_name(trace: StepTrace, e: OpEvent) -> str:
+    where = trace.blocks[e.block] if e.block >= 0 else "outside"
+    return f"{e.phase}:{where}:{e.op}" + (" (recompute)" if e.recompute else "")
+
+
+def sample_of(trace: StepTrace) -> Sample:
+    events = moments(trace)
+    return Sample(
+        tuple((event_name(trace, e), e.allocated_bytes, e.tensor_bytes) for e in events),
+        (
+            ("between ops: unseen allocations", trace.unseen_peak_bytes, False),
+            ("between ops: live storages", trace.tensor_peak_bytes, True),
+        ),
+        tuple(events),
+        (1,) * len(events),
+        sum(end - start for start, end in trace.forward_live),
+        trace.peak_bytes,
+        trace.tensor_peak_bytes,
+    )
+
+
+def _check_same_ops(name: str, shapes: Sequence[tuple[int, int]], samples: list[Sample]) -> None:
+    def sig(x: Sample) -> list[object]:
+        return [m[0] for m in x.moments] + [_signature(e) for e in x.ops]
+
+    ref = sig(samples[0])
+    for (b, s), x in zip(shapes[1:], samples[1:], strict=True):
+        got = sig(x)
+        if got == ref:
             continue
         k = next(
-            (i for i, (x, y) in enumerate(zip(ref, sig, strict=False)) if x != y),
-            min(len(ref), len(sig)),
+            (i for i, (p, q) in enumerate(zip(ref, got, strict=False)) if p != q),
+            min(len(ref), len(got)),
         )
-        what = f"op {k} ({ref[k][0]}, {ref[k][1]})" if k < len(ref) else "its end"
+        what = f"{ref[k]}" if k < len(ref) else "its end"
         raise FitError(
             f"plan {name!r}: the step runs other ops at b={b}, s={s} than at b={shapes[0][0]}, "
             f"s={shapes[0][1]}, from {what}: the model branches on a size. Plan each shape "
@@ -203,44 +241,33 @@ class _Rows:
 
 
 def _fit_step(
-    name: str, r: RangeShapes, shapes: Sequence[tuple[int, int]], traces: list[StepTrace]
+    name: str, r: RangeShapes, shapes: Sequence[tuple[int, int]], samples: list[Sample]
 ) -> NativeStep:
-    streams = [moments(t) for t in traces]
-    _check_same_ops(name, shapes, streams)
+    _check_same_ops(name, shapes, samples)
     rows = _Rows(r)
-    events = streams[0]
-    per_event = list(zip(*streams, strict=True))
+    first = samples[0]
 
-    def where(k: int, what: str = "the bytes") -> Callable[[], str]:
-        e = events[k]
-        block = traces[0].blocks[e.block] if e.block >= 0 else "outside the blocks"
-        return lambda: f"plan {name!r}: {what} at op {k} ({e.op}, {e.phase}, {block})"
+    def fitted(what: str, values: Sequence[int]) -> tuple[int, ...]:
+        return rows(tuple(values), functools.partial(str, f"plan {name!r}: {what}"))
 
-    names = [f"{e.phase}:{traces[0].blocks[e.block] if e.block >= 0 else 'outside'}:{e.op}"
-             for e in events]  # fmt: skip
-    allocated = [rows(tuple(x.allocated_bytes for x in es), where(k))
-                 for k, es in enumerate(per_event)]  # fmt: skip
-    tensors = [rows(tuple(x.tensor_bytes for x in es), where(k))
-               for k, es in enumerate(per_event)]  # fmt: skip
+    names = [m[0] for m in first.moments]
+    per_moment = list(zip(*(x.moments for x in samples), strict=True))
+    allocated = [fitted(f"the bytes at {names[k]}", [m[1] for m in ms])
+                 for k, ms in enumerate(per_moment)]  # fmt: skip
+    tensors = [fitted(f"the tensor bytes at {names[k]}", [m[2] for m in ms])
+               for k, ms in enumerate(per_moment)]  # fmt: skip
     # Moments between ops, where they exceed every op's at some shape.
-    between = (
-        ("between ops: unseen allocations", [t.unseen_peak_bytes for t in traces], False),
-        ("between ops: live storages", [t.tensor_peak_bytes for t in traces], True),
-    )
     extra_alloc: list[tuple[str, tuple[int, ...]]] = []
     extra_tensor: list[tuple[str, tuple[int, ...]]] = []
-    for label, values, tensor in between:
-        tops = [max(e.tensor_bytes if tensor else e.allocated_bytes for e in t)
-                for t in streams]  # fmt: skip
+    for j, (label, _, tensor) in enumerate(first.between):
+        values = [x.between[j][1] for x in samples]
+        tops = [max(m[2] if tensor else m[1] for m in x.moments) for x in samples]
         if any(v > top for v, top in zip(values, tops, strict=True)):
-            row = rows(tuple(values), functools.partial(str, f"plan {name!r}: {label}"))
+            row = fitted(label, values)
             extra_alloc.append((label, row))
             if tensor:
                 extra_tensor.append((label, row))
-    saved = rows(
-        tuple(sum(end - start for start, end in t.forward_live) for t in traces),
-        lambda: f"plan {name!r}: the bytes the forward saves",
-    )
+    saved = fitted("the bytes the forward saves", [x.saved for x in samples])
 
     def polys(base: list[tuple[int, ...]], extra: list[tuple[str, tuple[int, ...]]]) -> Any:
         return StepPolynomials(
@@ -252,103 +279,46 @@ def _fit_step(
         )
 
     b_min, s_min = r.b_range[0], r.s_range[0] or 0
-    alloc_candidates = tuple(_candidates(polys(allocated, extra_alloc), b_min, s_min))
-    tensor_candidates = tuple(_candidates(polys(tensors, extra_tensor), b_min, s_min))
     peak = RangeFormula(
         r.b_range[0],
         r.b_range[1],
         r.s_range[0],
         r.s_range[1],
-        alloc_candidates,
+        tuple(_candidates(polys(allocated, extra_alloc), b_min, s_min)),
         rows.poly(saved),
-        tensor_candidates,
+        tuple(_candidates(polys(tensors, extra_tensor), b_min, s_min)),
     )
-    for (b, s), t in zip(shapes, traces, strict=True):
+    for (b, s), x in zip(shapes, samples, strict=True):
         got = (peak.peak(b, s)[0], peak.peak(b, s, tensors=True)[0])
-        if got != (t.peak_bytes, t.tensor_peak_bytes):
+        if got != (x.peak, x.tensor_peak):
             raise FitError(
-                f"plan {name!r} at b={b}, s={s}: the fitted peaks {got} are not the trace's "
-                f"{(t.peak_bytes, t.tensor_peak_bytes)}"
+                f"plan {name!r} at b={b}, s={s}: the fitted peaks {got} are not the step's "
+                f"{(x.peak, x.tensor_peak)}"
             )
+    per_op = list(zip(*(x.ops for x in samples), strict=True))
     return NativeStep(
         peak,
         rows.basis,
-        _float_rows(rows, per_event, "flops", where),
-        _float_rows(rows, per_event, "moved_bytes", where),
-        tuple(e.dtype for e in events),
-        torch.tensor([e.time_s > 0 for e in events]),
-        torch.tensor([e.recompute for e in events]),
+        _float_rows(rows, per_op, "flops", name),
+        _float_rows(rows, per_op, "moved_bytes", name),
+        tuple(e.dtype for e in first.ops),
+        torch.tensor([e.time_s > 0 for e in first.ops]),
+        torch.tensor([e.recompute for e in first.ops]),
+        torch.tensor(first.weights, dtype=torch.float64),
     )
 
 
 def _float_rows(
-    rows: _Rows,
-    per_event: list[tuple[OpEvent, ...]],
-    field: str,
-    where: Callable[[int, str], Callable[[], str]],
+    rows: _Rows, per_op: list[tuple[OpEvent, ...]], field: str, name: str
 ) -> torch.Tensor:
     """``field`` of every op as float coefficient rows (exactly fitted, then rounded)."""
+
+    def what(k: int) -> Callable[[], str]:
+        e = per_op[k][0]
+        return lambda: f"plan {name!r}: {field} of op {k} ({e.op}, {e.phase})"
+
     fitted = [
-        [float(c) for c in rows(tuple(getattr(x, field) for x in es), where(k, field))]
-        for k, es in enumerate(per_event)
+        [float(c) for c in rows(tuple(getattr(x, field) for x in es), what(k))]
+        for k, es in enumerate(per_op)
     ]
-    return torch.tensor(fitted, dtype=torch.float64).reshape(len(per_event), -1) / rows.scale
-
-
-def native_dynamic(
-    model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    request: Request,
-    *,
-    plans: Sequence[str] = NATIVE_PLANS,
-    menus: bool = False,
-    seq: bool | None = None,
-    batch: int | None = None,
-) -> tuple[NativeDynamic, NativeProblem]:
-    """``model``'s step under each of ``plans`` (:data:`remat.native.planner.NATIVE_PLANS`)
-    and, with ``menus``, each uniform option of the chain DP's menus, fitted over every shape
-    (:func:`trace_dynamic`) for the request's training options, on a copy of ``model``
-    (``model`` is not modified). The menus are chosen at the example's shape."""
-    dims = Dims.of(args, kwargs, seq)
-    profile = get_profile(resolve_profile(model, request.device_profile))
-    blocks = regions.find_blocks(model, request.block_types)
-    with kv_cache_off(model):
-        traced, problem = analyze(model, blocks, args, kwargs, request, profile)
-        chosen = {name: fixed_policies(problem, name) for name in plans}
-        if menus:
-            seen = set(chosen.values())
-            for name, policies in uniform_plans(problem).items():
-                if policies not in seen:
-                    seen.add(policies)
-                    chosen[name] = policies
-
-        def trace_at(b: int, s: int | None, policies: Sequence[Policy]) -> StepTrace:
-            a, kw = inputs_at(args, kwargs, dims, b, s)
-            return traced.trace(a, kw, policies)
-
-        dynamic = trace_dynamic(
-            trace_at,
-            chosen,
-            dims,
-            max_seq=request.max_seq,
-            batch=batch,
-            progress=request.progress,
-        )
-    return dynamic, problem
-
-
-def formula_of(dynamic: NativeDynamic, plan: str, static: StaticMemory) -> MemoryFormula:
-    """The device peak of the native plan ``plan`` (traced in ``dynamic``) over its ranges."""
-    ranges = []
-    for r in dynamic.ranges:
-        if plan not in r.steps:
-            raise ValueError(f"plan {plan!r} was not traced; traced: {', '.join(r.steps)}")
-        ranges.append(r.steps[plan].peak)
-    return MemoryFormula(
-        f"native:{plan}",
-        static,
-        tuple(ranges),
-        dynamic.dims.seq is not None,
-        ("PyTorch's selective checkpointing on the blocks (remat.apply), traced on FakeTensors",),
-    )
+    return torch.tensor(fitted, dtype=torch.float64).reshape(len(per_op), -1) / rows.scale

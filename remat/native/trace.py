@@ -572,8 +572,15 @@ class FakeModel:
         self._warm = True
 
     def _fake(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and not self.real and not tc.is_fake(x):
+        if not isinstance(x, torch.Tensor) or self.real:
+            return x
+        if not tc.is_fake(x):
             return self.mode.from_tensor(x)
+        if getattr(x, "fake_mode", self.mode) is not self.mode:
+            # A fake input of another model's mode (a shallow copy built on its own): the
+            # same shape and dtype here, which is all a fake step reads of it.
+            with self.mode:
+                return torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return x
 
 

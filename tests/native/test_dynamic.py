@@ -17,6 +17,7 @@ from remat.graph.dynamic import Dims, inputs_at
 from remat.graph.profiles import get_profile
 from remat.meter import measure_step
 from remat.native.api import NATIVE_SOLVERS, analyze, kv_cache_off
+from remat.native.formula import native_dynamic
 from remat.native.planner import NATIVE_PLANS
 from remat.native.regions import find_blocks
 from remat.request import Request, model_static_memory
@@ -184,3 +185,47 @@ def test_cli_fit_and_compare_plan_the_sac_executor(
     for r in fitting:
         assert int(r["total_bytes"]) <= int(r["budget_bytes"]), r
     assert any(r["solver"] == "plan:keep_all" and r["error"] for r in rows)  # least budget
+
+
+def test_a_deep_stack_from_two_shallow_copies_is_its_own_trace() -> None:
+    """9 blocks fitted from copies with 3 and 4, checked at shapes none was traced at."""
+
+    def build(n: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return llama(n, 64).train()
+
+    model, args = build(9), (_tokens(2, 16),)
+    seen: list[str] = []
+    # The CPU profile: kernel scratch and RNG states measured, at the allocator.
+    req = Request.of(progress=seen.append, device_profile="cpu")
+    plans = ("keep_all", "block")
+    dynamic, _ = native_dynamic(model, args, {}, req, plans=plans, copies=build)
+    assert any("on the 9-block model" in m for m in seen)  # checked against the model
+    assert not any("do not match" in m for m in seen)
+    profile = get_profile("cpu")
+    with kv_cache_off(model):
+        traced, _ = analyze(model, find_blocks(model), args, {}, req, profile)
+        for b, s in ((1, 9), (5, 23)):
+            x, kw = inputs_at(args, {}, Dims.of(args, {}), b, s)
+            r = dynamic.range_of(b, s)
+            assert r is not None
+            for name in plans:
+                t = traced.trace(x, kw, dynamic.policies[name])
+                step = r.steps[name]
+                assert step.peak.peak(b, s)[0] == t.peak_bytes, (name, b, s)
+                assert step.peak.peak(b, s, tensors=True)[0] == t.tensor_peak_bytes
+                total = sum(e.time_s for e in t.events)
+                assert step.recompute_pct(profile, b, s) == pytest.approx(
+                    100 * t.recompute_time_s / total, rel=1e-9
+                )
+
+    # A builder whose copies are not what was asked for: the model itself is traced.
+    def other(n: int) -> torch.nn.Module:
+        return build(n + 1)
+
+    seen.clear()
+    again, _ = native_dynamic(model, args, {}, req, plans=plans, copies=other)
+    assert any("do not match" in m for m in seen)
+    step = again.range_of(5, 23).steps["block"]  # type: ignore[union-attr]
+    deep = dynamic.range_of(5, 23).steps["block"]  # type: ignore[union-attr]
+    assert step.peak.peak(5, 23)[0] == deep.peak.peak(5, 23)[0]

@@ -1,0 +1,142 @@
+"""A deep stack's native step from two shallow copies, so a 70B plan is not traced 121 times.
+
+With one policy for every block (the fit's plans), block ``k`` of an ``L``-block step is the
+same ops at every depth, and every byte count at one of its moments is affine in ``k`` and
+``L``: the blocks before it hold their saved activations (``k`` times a block's), the blocks
+after it have left their gradients (``L - 1 - k`` times), and the rest does not depend on
+either. The first and last blocks differ from the middle ones (FSDP2 prefetches nothing before
+the first, the last runs next to the loss), and code outside the blocks depends on ``L`` alone.
+So copies with 3 and 4 blocks determine every moment of the deep step: a middle moment at
+``k`` is ``v(3, 1) + (k - 1) * B + (L - 3) * C`` with ``B = v(4, 2) - v(4, 1)`` and
+``C = v(4, 1) - v(3, 1)``, and since it is affine in ``k``, its maximum over the middle blocks
+is at ``k = 1`` or ``k = L - 2``: those two moments stand for all of them. Each op's time is
+counted once per block it runs in.
+
+Nothing here is trusted unchecked: the copies' steps must match op for op, and the caller
+(:func:`remat.native.dynamic.native_dynamic`) compares the result with a trace of the deep
+model itself at the example's shape; a mismatch falls back to tracing the deep model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from remat.native.dynamic import Sample, moments
+from remat.native.trace import OpEvent, StepTrace
+from remat.solver.formula import FitError
+
+__all__ = ["SHALLOW", "deep_sample"]
+
+SHALLOW = (3, 4)
+"""Blocks of the two copies: one middle block, then two."""
+
+Key = tuple[object, ...]
+
+
+def _position(block: int, layers: int) -> object:
+    if block < 0:
+        return "outside"
+    return "first" if block == 0 else "last" if block == layers - 1 else block
+
+
+def _keyed(trace: StepTrace, layers: int) -> dict[object, list[tuple[Key, OpEvent]]]:
+    """The trace's moments grouped by position (``first``, ``last``, a middle block's index,
+    ``outside``), each keyed by its phase, op and ordinal there."""
+    out: dict[object, list[tuple[Key, OpEvent]]] = {}
+    seen: Counter[tuple[object, str]] = Counter()
+    for e in moments(trace):
+        pos = _position(e.block, layers)
+        n = seen[(pos, e.phase)]
+        seen[(pos, e.phase)] += 1
+        out.setdefault(pos, []).append(((e.phase, e.recompute, e.op, e.key, n), e))
+    return out
+
+
+def _keys(events: Sequence[tuple[Key, OpEvent]]) -> list[Key]:
+    return [k for k, _ in events]
+
+
+def _check(what: str, a: Sequence[tuple[Key, OpEvent]], b: Sequence[tuple[Key, OpEvent]]) -> None:
+    if _keys(a) != _keys(b):
+        raise FitError(f"the shallow copies' steps differ in {what}: not a stack of equal blocks")
+
+
+def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
+    """The ``layers``-block step at one shape from its 3- and 4-block copies' traces there."""
+    n_small, n_large = SHALLOW
+    if layers <= n_large:
+        raise ValueError(f"a deep stack has more than {n_large} blocks, not {layers}")
+    s, g = _keyed(small, n_small), _keyed(large, n_large)
+    for pos in ("first", "last", "outside"):
+        _check(f"the {pos} block" if pos != "outside" else "the code outside the blocks",
+               s.get(pos, []), g.get(pos, []))  # fmt: skip
+    middle = s[1]
+    for k in (1, 2):
+        _check(f"middle block {k}", middle, g[k])
+    extra = layers - n_small
+
+    moments_: list[tuple[str, int, int]] = []
+    for pos in ("outside", "first", "last"):
+        for (key, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True):
+            name = f"{e.phase}:{pos}:{e.op}#{key[-1]}"
+            moments_.append(
+                (
+                    name,
+                    e.allocated_bytes + extra * (f.allocated_bytes - e.allocated_bytes),
+                    e.tensor_bytes + extra * (f.tensor_bytes - e.tensor_bytes),
+                )
+            )
+    for (key, e), (_, f1), (_, f2) in zip(middle, g[1], g[2], strict=True):
+        for k in (1, layers - 2):
+            moments_.append(
+                (
+                    f"{e.phase}:block {k}:{e.op}#{key[-1]}",
+                    e.allocated_bytes
+                    + (k - 1) * (f2.allocated_bytes - f1.allocated_bytes)
+                    + extra * (f1.allocated_bytes - e.allocated_bytes),
+                    e.tensor_bytes
+                    + (k - 1) * (f2.tensor_bytes - f1.tensor_bytes)
+                    + extra * (f1.tensor_bytes - e.tensor_bytes),
+                )
+            )
+
+    def between_ops(t: StepTrace, value: int, tensor: bool) -> int:
+        """``value`` where it is a moment of its own (above every op's), else 0: a step's
+        maximum is a different moment at each depth and does not extrapolate."""
+        top = max((e.tensor_bytes if tensor else e.allocated_bytes) for e in t.events)
+        return value if value > top else 0
+
+    def affine(t: tuple[int, int]) -> int:
+        return t[0] + extra * (t[1] - t[0]) if any(t) else 0
+
+    unseen = tuple(between_ops(t, t.unseen_peak_bytes, False) for t in (small, large))
+    live = tuple(between_ops(t, t.tensor_peak_bytes, True) for t in (small, large))
+    between = (
+        ("between ops: unseen allocations", affine(unseen), False),  # type: ignore[arg-type]
+        ("between ops: live storages", affine(live), True),  # type: ignore[arg-type]
+    )
+    held = [end - start for start, end in small.forward_live]
+    held_large = [end - start for start, end in large.forward_live]
+    if held_large != [held[0], held[1], held[1], held[2]]:
+        raise FitError("the shallow copies' blocks save different bytes: not equal blocks")
+    ops: list[OpEvent] = []
+    weights: list[int] = []
+    runs: tuple[tuple[object, int], ...] = (
+        ("outside", 1), ("first", 1), (1, layers - 2), ("last", 1)
+    )  # fmt: skip
+    for where, weight in runs:
+        for _, e in s.get(where, []):
+            ops.append(e)
+            weights.append(weight)
+    peak = max([m[1] for m in moments_] + [b[1] for b in between])
+    tensor_peak = max([m[2] for m in moments_] + [b[1] for b in between if b[2]])
+    return Sample(
+        tuple(moments_),
+        between,
+        tuple(ops),
+        tuple(weights),
+        held[0] + (layers - 2) * held[1] + held[2],
+        peak,
+        tensor_peak,
+    )

@@ -1,0 +1,171 @@
+"""A model's native formula: its plans traced at the fit's shapes (:mod:`remat.native.dynamic`)
+on the model, or, for a deep stack of equal blocks, on two shallow copies
+(:mod:`remat.native.deep`) checked against the model itself."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from remat.budget import StaticMemory
+from remat.graph.dynamic import Dims, inputs_at
+from remat.graph.profiles import DeviceProfile, get_profile
+from remat.native import regions
+from remat.native.api import Traced, analyze, kv_cache_off
+from remat.native.deep import SHALLOW, deep_sample
+from remat.native.dynamic import NativeDynamic, Sample, sample_of, trace_dynamic
+from remat.native.planner import NATIVE_PLANS, NativeProblem, fixed_policies, uniform_plans
+from remat.native.regions import Policy
+from remat.peak_formula import MemoryFormula
+from remat.request import Request, resolve_profile
+from remat.solver.formula import FitError
+
+__all__ = ["Copies", "formula_of", "native_dynamic"]
+
+Copies = Callable[[int], nn.Module]
+"""Builds a copy of the model with ``n`` blocks (the same configuration otherwise)."""
+
+
+def _plans(
+    problem: NativeProblem, names: Sequence[str], menus: bool
+) -> dict[str, tuple[Policy, ...]]:
+    chosen = {name: fixed_policies(problem, name) for name in names}
+    if menus:
+        seen = set(chosen.values())
+        for name, policies in uniform_plans(problem).items():
+            if policies not in seen:
+                seen.add(policies)
+                chosen[name] = policies
+    return chosen
+
+
+def _analyzed(
+    model: nn.Module, args: Any, kwargs: Any, request: Request, profile: DeviceProfile
+) -> tuple[Traced, NativeProblem]:
+    return analyze(
+        model, regions.find_blocks(model, request.block_types), args, kwargs, request, profile
+    )
+
+
+def native_dynamic(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    request: Request,
+    *,
+    plans: Sequence[str] = NATIVE_PLANS,
+    menus: bool = False,
+    seq: bool | None = None,
+    batch: int | None = None,
+    copies: Copies | None = None,
+) -> tuple[NativeDynamic, NativeProblem]:
+    """``model``'s step under each of ``plans`` (:data:`remat.native.planner.NATIVE_PLANS`)
+    and, with ``menus``, each uniform option of the chain DP's menus, fitted over every shape
+    for the request's training options, on copies of ``model`` (it is not modified). The
+    menus are chosen at the example's shape.
+
+    ``copies``: for a stack of more blocks than the two copies together (8 or more), a
+    builder of shallower copies: the shapes are traced on copies with 3 and 4 blocks (:mod:`remat.native.deep`) and the result
+    checked against traces of ``model`` at the example's shape under the fixed plans; where
+    they differ, ``model`` itself is traced at every shape."""
+    dims = Dims.of(args, kwargs, seq)
+    profile = get_profile(resolve_profile(model, request.device_profile))
+    progress = request.progress
+    with kv_cache_off(model):
+        traced, problem = _analyzed(model, args, kwargs, request, profile)
+        chosen = _plans(problem, plans, menus)
+        if copies is not None and len(problem.blocks) > sum(SHALLOW):
+            try:
+                dynamic = _deep(traced, chosen, copies, len(problem.blocks), dims, args,
+                                kwargs, request, profile, menus, plans, batch)  # fmt: skip
+                return dynamic, problem
+            except FitError as e:
+                if progress:
+                    progress(f"the shallow copies do not match ({e}): tracing the model itself")
+
+        def sample_at(b: int, s: int | None, name: str, policies: Sequence[Policy]) -> Sample:
+            a, kw = inputs_at(args, kwargs, dims, b, s)
+            return sample_of(traced.trace(a, kw, policies))
+
+        dynamic = trace_dynamic(
+            sample_at, chosen, dims, max_seq=request.max_seq, batch=batch, progress=progress
+        )
+    return dynamic, problem
+
+
+def _deep(
+    traced: Traced,
+    chosen: Mapping[str, tuple[Policy, ...]],
+    copies: Copies,
+    layers: int,
+    dims: Dims,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    request: Request,
+    profile: DeviceProfile,
+    menus: bool,
+    plans: Sequence[str],
+    batch: int | None,
+) -> NativeDynamic:
+    """:func:`native_dynamic` from copies with :data:`~remat.native.deep.SHALLOW` blocks."""
+    shallow: list[tuple[Traced, dict[str, tuple[Policy, ...]]]] = []
+    with contextlib.ExitStack() as stack:
+        for n in SHALLOW:
+            copy = copies(n)
+            stack.enter_context(kv_cache_off(copy))
+            t, p = _analyzed(copy, args, kwargs, request, profile)
+            if len(p.blocks) != n:
+                raise FitError(f"the copy built with {n} blocks has {len(p.blocks)}")
+            mine = _plans(p, plans, menus)
+            if list(mine) != list(chosen):
+                raise FitError("the copies' menus differ from the model's")
+            shallow.append((t, mine))
+
+        def sample_at(b: int, s: int | None, name: str, policies: Sequence[Policy]) -> Sample:
+            a, kw = inputs_at(args, kwargs, dims, b, s)
+            small, large = (t.trace(a, kw, mine[name]) for t, mine in shallow)
+            return deep_sample(small, large, layers)
+
+        dynamic = trace_dynamic(
+            sample_at,
+            chosen,
+            dims,
+            max_seq=request.max_seq,
+            batch=batch,
+            progress=request.progress,
+        )
+    b, s = dims.batch, dims.seq
+    r = dynamic.range_of(b, s)
+    if r is None:
+        raise FitError(f"no range holds the example's shape b={b}, s={s}")
+    for name in plans:
+        if request.progress:
+            request.progress(f"checking {name} on the {layers}-block model")
+        full = traced.trace(args, kwargs, chosen[name])
+        step = r.steps[name]
+        got = (step.peak.peak(b, s)[0], step.peak.peak(b, s, tensors=True)[0])
+        if got != (full.peak_bytes, full.tensor_peak_bytes):
+            raise FitError(
+                f"plan {name!r}: the copies give peaks {got} at the example's shape, the model "
+                f"{(full.peak_bytes, full.tensor_peak_bytes)}"
+            )
+    return dynamic
+
+
+def formula_of(dynamic: NativeDynamic, plan: str, static: StaticMemory) -> MemoryFormula:
+    """The device peak of the native plan ``plan`` (traced in ``dynamic``) over its ranges."""
+    ranges = []
+    for r in dynamic.ranges:
+        if plan not in r.steps:
+            raise ValueError(f"plan {plan!r} was not traced; traced: {', '.join(r.steps)}")
+        ranges.append(r.steps[plan].peak)
+    return MemoryFormula(
+        f"native:{plan}",
+        static,
+        tuple(ranges),
+        dynamic.dims.seq is not None,
+        ("PyTorch's selective checkpointing on the blocks (remat.apply), traced on FakeTensors",),
+    )
