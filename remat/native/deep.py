@@ -26,30 +26,45 @@ from remat.native.dynamic import Sample, moments
 from remat.native.trace import OpEvent, StepTrace
 from remat.solver.formula import FitError
 
-__all__ = ["SHALLOW", "deep_sample"]
+__all__ = ["EDGE", "SHALLOW", "deep_sample"]
 
-SHALLOW = (3, 4)
+EDGE = 2
+"""Blocks at each end of the stack that differ from the middle ones."""
+SHALLOW = (2 * EDGE + 1, 2 * EDGE + 2)
 """Blocks of the two copies: one middle block, then two."""
 
 Key = tuple[object, ...]
 
 
 def _position(block: int, layers: int) -> object:
+    """``outside``, ``("edge", k)`` for the first and last :data:`EDGE` blocks (``k < 0``
+    from the end), or the index of a middle block."""
     if block < 0:
         return "outside"
-    return "first" if block == 0 else "last" if block == layers - 1 else block
+    if block < EDGE:
+        return ("edge", block)
+    if block >= layers - EDGE:
+        return ("edge", block - layers)
+    return block
 
 
 def _keyed(trace: StepTrace, layers: int) -> dict[object, list[tuple[Key, OpEvent]]]:
     """The trace's moments grouped by position (``first``, ``last``, a middle block's index,
-    ``outside``), each keyed by its phase, op and ordinal there."""
+    ``outside``), each keyed by its phase, op and ordinal there. An op outside the blocks
+    after a block's ops (in the same phase) goes with that block: FSDP2's hooks of the next
+    block run there, once per block."""
     out: dict[object, list[tuple[Key, OpEvent]]] = {}
-    seen: Counter[tuple[object, str]] = Counter()
+    seen: Counter[tuple[object, str, bool]] = Counter()
+    last: dict[str, int] = {}
     for e in moments(trace):
-        pos = _position(e.block, layers)
-        n = seen[(pos, e.phase)]
-        seen[(pos, e.phase)] += 1
-        out.setdefault(pos, []).append(((e.phase, e.recompute, e.op, e.key, n), e))
+        inside = e.block >= 0
+        if inside:
+            last[e.phase] = e.block
+        owner = e.block if inside else last.get(e.phase, -1)
+        pos = _position(owner, layers)
+        n = seen[(pos, e.phase, inside)]
+        seen[(pos, e.phase, inside)] += 1
+        out.setdefault(pos, []).append(((e.phase, inside, e.recompute, e.op, e.key, n), e))
     return out
 
 
@@ -63,21 +78,22 @@ def _check(what: str, a: Sequence[tuple[Key, OpEvent]], b: Sequence[tuple[Key, O
 
 
 def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
-    """The ``layers``-block step at one shape from its 3- and 4-block copies' traces there."""
+    """The ``layers``-block step at one shape from its copies' traces there
+    (:data:`SHALLOW` blocks)."""
     n_small, n_large = SHALLOW
     if layers <= n_large:
         raise ValueError(f"a deep stack has more than {n_large} blocks, not {layers}")
     s, g = _keyed(small, n_small), _keyed(large, n_large)
-    for pos in ("first", "last", "outside"):
-        _check(f"the {pos} block" if pos != "outside" else "the code outside the blocks",
-               s.get(pos, []), g.get(pos, []))  # fmt: skip
-    middle = s[1]
-    for k in (1, 2):
+    ends: list[object] = ["outside", *(("edge", k) for k in (*range(EDGE), *range(-EDGE, 0)))]
+    for pos in ends:
+        _check(f"{pos}", s.get(pos, []), g.get(pos, []))
+    middle = s[EDGE]
+    for k in (EDGE, EDGE + 1):
         _check(f"middle block {k}", middle, g[k])
     extra = layers - n_small
 
     moments_: list[tuple[str, int, int]] = []
-    for pos in ("outside", "first", "last"):
+    for pos in ends:
         for (key, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True):
             name = f"{e.phase}:{pos}:{e.op}#{key[-1]}"
             moments_.append(
@@ -87,16 +103,16 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
                     e.tensor_bytes + extra * (f.tensor_bytes - e.tensor_bytes),
                 )
             )
-    for (key, e), (_, f1), (_, f2) in zip(middle, g[1], g[2], strict=True):
-        for k in (1, layers - 2):
+    for (key, e), (_, f1), (_, f2) in zip(middle, g[EDGE], g[EDGE + 1], strict=True):
+        for k in (EDGE, layers - EDGE - 1):
             moments_.append(
                 (
                     f"{e.phase}:block {k}:{e.op}#{key[-1]}",
                     e.allocated_bytes
-                    + (k - 1) * (f2.allocated_bytes - f1.allocated_bytes)
+                    + (k - EDGE) * (f2.allocated_bytes - f1.allocated_bytes)
                     + extra * (f1.allocated_bytes - e.allocated_bytes),
                     e.tensor_bytes
-                    + (k - 1) * (f2.tensor_bytes - f1.tensor_bytes)
+                    + (k - EDGE) * (f2.tensor_bytes - f1.tensor_bytes)
                     + extra * (f1.tensor_bytes - e.tensor_bytes),
                 )
             )
@@ -118,15 +134,13 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
     )
     held = [end - start for start, end in small.forward_live]
     held_large = [end - start for start, end in large.forward_live]
-    if held_large != [held[0], held[1], held[1], held[2]]:
+    if held_large != [*held[: EDGE + 1], *held[EDGE:]]:
         raise FitError("the shallow copies' blocks save different bytes: not equal blocks")
     ops: list[OpEvent] = []
     weights: list[int] = []
-    runs: tuple[tuple[object, int], ...] = (
-        ("outside", 1), ("first", 1), (1, layers - 2), ("last", 1)
-    )  # fmt: skip
-    for where, weight in runs:
-        for _, e in s.get(where, []):
+    for pos in [*ends, EDGE]:
+        weight = layers - 2 * EDGE if pos == EDGE else 1
+        for _, e in s.get(pos, []):
             ops.append(e)
             weights.append(weight)
     peak = max([m[1] for m in moments_] + [b[1] for b in between])
@@ -136,7 +150,7 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
         between,
         tuple(ops),
         tuple(weights),
-        held[0] + (layers - 2) * held[1] + held[2],
+        sum(held) + (layers - n_small) * held[EDGE],
         peak,
         tensor_peak,
     )
