@@ -30,6 +30,17 @@ class Preset:
     """``causal-lm`` or ``masked-lm``: which head (and loss) the model trains with."""
 
 
+_LLAMA3: dict[str, Any] = {
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+"""What Llama 3 8B and 70B share in Meta's published configurations."""
+
+
 PRESETS: dict[str, Preset] = {
     "gpt2": Preset("GPT-2 small, 124M (12 x 768)", "gpt2", {}),
     "gpt2-medium": Preset(
@@ -80,34 +91,24 @@ PRESETS: dict[str, Preset] = {
         "Llama 3 8B (32 x 4096, GQA 32/8)",
         "llama",
         {
+            **_LLAMA3,
             "hidden_size": 4096,
             "intermediate_size": 14336,
             "num_hidden_layers": 32,
             "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "max_position_embeddings": 8192,
-            "rope_theta": 500000.0,
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": False,
         },
-    ),
+    ),  # fmt: skip
     "llama3-70b": Preset(
         "Llama 3 70B (80 x 8192, GQA 64/8)",
         "llama",
         {
+            **_LLAMA3,
             "hidden_size": 8192,
             "intermediate_size": 28672,
             "num_hidden_layers": 80,
             "num_attention_heads": 64,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "max_position_embeddings": 8192,
-            "rope_theta": 500000.0,
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": False,
         },
-    ),
+    ),  # fmt: skip
 }
 
 
