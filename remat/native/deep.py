@@ -92,10 +92,16 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
         _check(f"middle block {k}", middle, g[k])
     extra = layers - n_small
 
+    def label(pos: object) -> str:
+        if isinstance(pos, tuple):
+            k = int(pos[1])
+            return f"block {k if k >= 0 else layers + k}"
+        return str(pos)
+
     moments_: list[tuple[str, int, int]] = []
     for pos in ends:
         for (key, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True):
-            name = f"{e.phase}:{pos}:{e.op}#{key[-1]}"
+            name = f"{e.phase}:{label(pos)}:{e.op}#{key[-1]}"
             moments_.append(
                 (
                     name,
