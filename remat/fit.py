@@ -374,7 +374,7 @@ def fit_native(
     progress: Callable[[str], None] | None = None,
 ) -> FitReport:
     """:func:`fit` for ``remat.apply``'s executor, on traced native plans
-    (:func:`remat.native.dynamic.native_dynamic`, with ``keep_all`` among them)."""
+    (:func:`remat.native.formula.native_dynamic`, with ``keep_all`` among them)."""
     planner = _NativePlanner(dynamic, profile)
     s_min = next((r.shapes.s_range[0] for r in dynamic.ranges), None)
     rows = _search(
@@ -414,8 +414,8 @@ def fit(
     the blocks; FSDP2 over ``world_size`` ranks with ``zero_stage=3``): no checkpointing, the
     matmul outputs kept, every block recomputed, and the chain DP's menu applied to every
     block, each traced at the fit's shapes (:mod:`remat.native.dynamic`). ``copies``: a
-    builder of the model with ``n`` blocks, to trace a deep stack's shapes on copies with 3
-    and 4 blocks (:mod:`remat.native.deep`), checked against the model.
+    builder of the model with ``n`` blocks, to trace a deep stack's shapes on copies with 5
+    and 6 blocks (:mod:`remat.native.deep`), checked against the model.
     """
     check_executor(executor)
     if request is None:

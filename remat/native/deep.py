@@ -4,16 +4,17 @@ With one policy for every block (the fit's plans), block ``k`` of an ``L``-block
 same ops at every depth, and every byte count at one of its moments is affine in ``k`` and
 ``L``: the blocks before it hold their saved activations (``k`` times a block's), the blocks
 after it have left their gradients (``L - 1 - k`` times), and the rest does not depend on
-either. The first and last blocks differ from the middle ones (FSDP2 prefetches nothing before
-the first, the last runs next to the loss), and code outside the blocks depends on ``L`` alone.
-So copies with 3 and 4 blocks determine every moment of the deep step: a middle moment at
-``k`` is ``v(3, 1) + (k - 1) * B + (L - 3) * C`` with ``B = v(4, 2) - v(4, 1)`` and
-``C = v(4, 1) - v(3, 1)``, and since it is affine in ``k``, its maximum over the middle blocks
-is at ``k = 1`` or ``k = L - 2``: those two moments stand for all of them. Each op's time is
-counted once per block it runs in.
+either. The :data:`EDGE` blocks at each end differ from the middle ones (FSDP2 prefetches the
+next block's parameters in a block's forward and reduces the previous one's gradients in its
+backward, so a block's ops depend on its neighbours'; the last runs next to the loss), and
+code outside the blocks depends on ``L`` alone. So copies with 5 and 6 blocks determine every
+moment of the deep step: a middle moment at ``k`` is ``v(5, 2) + (k - 2) * B + (L - 5) * C``
+with ``B = v(6, 3) - v(6, 2)`` and ``C = v(6, 2) - v(5, 2)``, and since it is affine in ``k``,
+its maximum over the middle blocks is at ``k = 2`` or ``k = L - 3``: those two moments stand
+for all of them. Each op's time is counted once per block it runs in.
 
 Nothing here is trusted unchecked: the copies' steps must match op for op, and the caller
-(:func:`remat.native.dynamic.native_dynamic`) compares the result with a trace of the deep
+(:func:`remat.native.formula.native_dynamic`) compares the result with a trace of the deep
 model itself at the example's shape; a mismatch falls back to tracing the deep model.
 """
 

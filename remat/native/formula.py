@@ -67,10 +67,11 @@ def native_dynamic(
     for the request's training options, on copies of ``model`` (it is not modified). The
     menus are chosen at the example's shape.
 
-    ``copies``: for a stack of more blocks than the two copies together (8 or more), a
-    builder of shallower copies: the shapes are traced on copies with 3 and 4 blocks (:mod:`remat.native.deep`) and the result
-    checked against traces of ``model`` at the example's shape under the fixed plans; where
-    they differ, ``model`` itself is traced at every shape."""
+    ``copies``: for a stack of more blocks than the two copies together (12 or more), a
+    builder of shallower copies: the shapes are traced on copies with 5 and 6 blocks
+    (:mod:`remat.native.deep`) and the result checked against traces of ``model`` at the
+    example's shape under the fixed plans; where they differ, ``model`` itself is traced at
+    every shape."""
     dims = Dims.of(args, kwargs, seq)
     profile = get_profile(resolve_profile(model, request.device_profile))
     progress = request.progress
