@@ -1,6 +1,7 @@
 """``remat.apply``'s ``auto`` with regions on the blocks only against regions that may also be
 the blocks' sub-modules (what ``auto`` does), at three budgets between every block recomputed
-and no checkpointing, on the zoo's decoders: each plan's traced recompute time (the CPU profile's roofline estimate, not a wall-clock measurement).
+and no checkpointing, on the zoo's decoders: each plan's traced recompute time (the CPU
+profile's roofline estimate, not a wall-clock measurement).
 
 The blocks-only run replaces :func:`remat.native.regions.split_blocks` with one that finds no
 sub-modules. Writes ``experiments/results/regions.csv``.
