@@ -22,8 +22,8 @@ from torch import nn
 from remat.budget import Options, StaticMemory
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic, range_text
 from remat.graph.profiles import DeviceProfile
+from remat.native.formula import Copies, native_dynamic
 from remat.native.formula import formula_of as native_formula_of
-from remat.native.formula import native_dynamic
 from remat.native.planner import NATIVE_PLANS
 from remat.peak_formula import MemoryFormula, RangeFormula
 from remat.pipeline import analyze
@@ -146,6 +146,7 @@ def memory_formula(
     max_seq: int | None = None,
     seq: bool | None = None,
     progress: Callable[[str], None] | None = None,
+    copies: Copies | None = None,
 ) -> MemoryFormula:
     """The device's peak memory for ``plan`` as an exact formula in the batch ``b`` and, for
     a model with a sequence dimension (dim 1 of the first input, token ids), its length ``s``.
@@ -154,7 +155,9 @@ def memory_formula(
     the step captured at the fit's shapes. ``executor="sac"``: one of ``remat.apply``'s fixed
     plans (``keep_all``, ``keep_matmuls``, ``block``) on the model's blocks (``block_types``),
     the step traced as ``remat.apply`` traces it (FSDP2 over ``world_size`` ranks with
-    ``zero_stage=3``; ``precision="bf16-fsdp"`` for its mixed precision) at the same shapes.
+    ``zero_stage=3``; ``precision="bf16-fsdp"`` for its mixed precision) at the same shapes;
+    ``copies``: a builder of the model with ``n`` blocks, to trace a deep stack on copies with
+    5 and 6 blocks (:mod:`remat.native.deep`).
 
     ``example_inputs`` must have a length of at least 8 (the fit captures at lengths around
     it); ``max_seq`` bounds the lengths the formula claims (the model's positions). The model
@@ -176,8 +179,9 @@ def memory_formula(
             progress=progress,
         )  # fmt: skip
         native, _ = native_dynamic(
-            model, as_args(example_inputs), dict(example_kwargs or {}), req, plans=(plan,), seq=seq
-        )
+            model, as_args(example_inputs), dict(example_kwargs or {}), req, plans=(plan,),
+            seq=seq, copies=copies,
+        )  # fmt: skip
         return native_formula_of(native, plan, static)
     dynamic = analyze_dynamic(
         model,
