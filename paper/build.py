@@ -405,6 +405,41 @@ def lengths_table() -> str:
     return _table(header, out)
 
 
+def least_peaks_table() -> str:
+    """Each executor's least peak on the zoo's decoders (experiments/least_peaks.py)."""
+    out = [
+        [
+            r["model"],
+            _fmt(_num(r["graph_least_bytes"]) / MIB),  # type: ignore[operator]
+            _fmt(_num(r["native_blocks_least_bytes"]) / MIB),  # type: ignore[operator]
+            _fmt(_num(r["native_least_bytes"]) / MIB),  # type: ignore[operator]
+            f"{float(r['ratio']):.3f}x",
+            r["native_plan"],
+        ]
+        for r in _read("least_peaks.csv")
+    ]
+    header = ["model", "whole-graph least MiB", "native, blocks MiB",
+              "native, with sub-modules MiB", "native / whole-graph", "native plan"]  # fmt: skip
+    return _table(header, out)
+
+
+def regions_table() -> str:
+    """auto on blocks only against blocks or their sub-modules (experiments/regions.py)."""
+    out = [
+        [
+            r["model"],
+            r["share"],
+            _fmt(_num(r["budget_bytes"]) / MIB),  # type: ignore[operator]
+            _fmt(_num(r["blocks_ms"]), 3),
+            _fmt(_num(r["with_sub_modules_ms"]), 3),
+        ]
+        for r in _read("regions.csv")
+    ]
+    header = ["model", "budget share", "budget MiB", "recompute ms, blocks",
+              "recompute ms, with sub-modules"]  # fmt: skip
+    return _table(header, out)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "compare": compare_table,
     "predicted": predicted_table,
@@ -418,6 +453,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "fit": fit_table,
     "fit_layer": fit_layer_table,
     "lengths": lengths_table,
+    "least_peaks": least_peaks_table,
+    "regions": regions_table,
 }
 MARK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
