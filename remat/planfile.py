@@ -168,11 +168,14 @@ def load(
     executor: str,
     fingerprint: str,
     difference: Callable[[Mapping[str, Any]], str] = lambda record: "another model",
+    read: PlanFile | None = None,
 ) -> PlanFile:
     """Read a plan file for ``executor`` (:data:`GRAPH` or :data:`NATIVE`), checking that it
     was solved for that executor and for what has ``fingerprint`` here (``difference``: what
-    differs, from the file's record, for the message). The one loader of both front doors."""
-    f = read_plan(path)
+    differs, from the file's record, for the message). The one loader of both front doors.
+    ``read``: the file as :func:`read_plan` already read it (a caller that looked inside
+    before it knew the fingerprint)."""
+    f = read if read is not None else read_plan(path)
     theirs = f.record.get("graph", {}).get("executor", GRAPH)
     if theirs != executor:
         raise PlanFileError(f"plan file {path} holds {_LOAD_WITH.get(theirs, repr(theirs))}")

@@ -270,8 +270,9 @@ def _plan(
 
     if req.is_plan_file():
         assert isinstance(plan, (str, Path))
-        problem, tracer = on(_file_regions(read_plan(plan), model, blocks))
-        return problem, _from_file(problem, plan, tracer)
+        f = read_plan(plan)
+        problem, tracer = on(_file_regions(f, model, blocks))
+        return problem, _from_file(problem, f, plan, tracer)
     problem, tracer = on(blocks)
     if isinstance(plan, str):
         solution = planner.fixed(problem, plan, tracer)
@@ -354,9 +355,12 @@ def save_plan(model: nn.Module, path: str | Path) -> Path:
     return write_document(document(state.plan, state.fingerprint, graph), path)
 
 
-def _from_file(problem: planner.NativeProblem, path: str | Path, tracer: Any) -> planner.Solution:
+def _from_file(
+    problem: planner.NativeProblem, f: PlanFile, path: str | Path, tracer: Any
+) -> planner.Solution:
     f = load(
         path,
+        read=f,
         executor=NATIVE,
         fingerprint=planner.fingerprint(problem),
         difference=lambda record: (

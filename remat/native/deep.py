@@ -99,29 +99,28 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
             return f"block {k if k >= 0 else layers + k}"
         return str(pos)
 
-    moments_: list[tuple[str, int, int]] = []
-    for pos in ends:
-        for (key, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True):
-            name = f"{e.phase}:{label(pos)}:{e.op}#{key[-1]}"
-            moments_.append(
-                (
-                    name,
-                    e.allocated_bytes + extra * (f.allocated_bytes - e.allocated_bytes),
-                    e.tensor_bytes + extra * (f.tensor_bytes - e.tensor_bytes),
-                )
-            )
+    def extrapolated(
+        name: str, v: OpEvent, deeper: OpEvent, next_: OpEvent | None = None, k: int = 0
+    ) -> tuple[str, int, int]:
+        """``v``'s bytes (at the allocator, as tensors) ``extra`` blocks deeper, from its
+        match one block deeper (``deeper``), and ``k`` blocks further into the middle, from
+        ``deeper``'s next block (``next_``)."""
+
+        def at(f: str) -> int:
+            further = k * (getattr(next_, f) - getattr(deeper, f)) if next_ is not None else 0
+            return getattr(v, f) + extra * (getattr(deeper, f) - getattr(v, f)) + further
+
+        return name, at("allocated_bytes"), at("tensor_bytes")
+
+    moments_ = [
+        extrapolated(f"{e.phase}:{label(pos)}:{e.op}#{key[-1]}", e, f)
+        for pos in ends
+        for (key, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True)
+    ]
     for (key, e), (_, f1), (_, f2) in zip(middle, g[EDGE], g[EDGE + 1], strict=True):
         for k in (EDGE, layers - EDGE - 1):
             moments_.append(
-                (
-                    f"{e.phase}:block {k}:{e.op}#{key[-1]}",
-                    e.allocated_bytes
-                    + (k - EDGE) * (f2.allocated_bytes - f1.allocated_bytes)
-                    + extra * (f1.allocated_bytes - e.allocated_bytes),
-                    e.tensor_bytes
-                    + (k - EDGE) * (f2.tensor_bytes - f1.tensor_bytes)
-                    + extra * (f1.tensor_bytes - e.tensor_bytes),
-                )
+                extrapolated(f"{e.phase}:block {k}:{e.op}#{key[-1]}", e, f1, f2, k - EDGE)
             )
 
     def between_ops(t: StepTrace, value: int, tensor: bool) -> int:
@@ -130,14 +129,14 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
         top = max((e.tensor_bytes if tensor else e.allocated_bytes) for e in t.events)
         return value if value > top else 0
 
-    def affine(t: tuple[int, int]) -> int:
+    def affine(t: tuple[int, ...]) -> int:
         return t[0] + extra * (t[1] - t[0]) if any(t) else 0
 
     unseen = tuple(between_ops(t, t.unseen_peak_bytes, False) for t in (small, large))
     live = tuple(between_ops(t, t.tensor_peak_bytes, True) for t in (small, large))
     between = (
-        ("between ops: unseen allocations", affine(unseen), False),  # type: ignore[arg-type]
-        ("between ops: live storages", affine(live), True),  # type: ignore[arg-type]
+        ("between ops: unseen allocations", affine(unseen), False),
+        ("between ops: live storages", affine(live), True),
     )
     held = [end - start for start, end in small.forward_live]
     held_large = [end - start for start, end in large.forward_live]

@@ -247,12 +247,18 @@ def fixed(problem: NativeProblem, name: str, tracer: Tracer) -> Solution:
     return Solution(policies, tracer(policies), name, FIXED_REASONS[name], Proof.HEURISTIC, names)
 
 
+def menus_of(problem: NativeProblem) -> tuple[list[list[Option]], int, int]:
+    """Each block's menu (its class's), the number of classes, and the longest menu's
+    length."""
+    menus = {c[0]: menu(problem.streams[c[0]]) for c in problem.classes}
+    options_of = [menus[problem.class_of(k)] for k in range(len(problem.blocks))]
+    return options_of, len(menus), max(len(m) for m in menus.values())
+
+
 def uniform_plans(problem: NativeProblem) -> dict[str, tuple[Policy, ...]]:
     """The chain DP's menu applied alike to every block: option ``k`` of each class's menu
     (its last where a class has fewer), from every block eager to every block recomputed."""
-    menus = {c[0]: menu(problem.streams[c[0]]) for c in problem.classes}
-    options_of = [menus[problem.class_of(k)] for k in range(len(problem.blocks))]
-    n_opts = max(len(m) for m in menus.values())
+    options_of, _, n_opts = menus_of(problem)
     out: dict[str, tuple[Policy, ...]] = {}
     for o in range(n_opts):
         picked = [opts[min(o, len(opts) - 1)] for opts in options_of]
@@ -330,11 +336,9 @@ def _chain(
     how many plans it traced."""
     t0 = time.perf_counter()
     n = len(problem.blocks)
-    menus = {c[0]: menu(problem.streams[c[0]]) for c in problem.classes}
-    options_of = [menus[problem.class_of(k)] for k in range(n)]
-    n_opts = max(len(m) for m in menus.values())
+    options_of, n_classes, n_opts = menus_of(problem)
     progress = config.progress or (lambda _: None)
-    progress(f"native: {n} blocks, {len(menus)} class(es), {n_opts} options; tracing each")
+    progress(f"native: {n} blocks, {n_classes} class(es), {n_opts} options; tracing each")
 
     found: dict[tuple[int, ...], StepTrace] = {}
 

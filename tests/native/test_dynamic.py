@@ -124,7 +124,7 @@ def _fits(model: Any, args: Any, report: FitReport, name: str, b: int, s: int) -
         options = []
         for p in policies.values():
             t = traced.trace(x, kw, p)
-            step = sum(e.time_s for e in t.events)
+            step = sum(e.time_s for e in t.events)  # the cost model's estimate, not a clock
             options.append((t.peak_bytes, 100 * t.recompute_time_s / step))
     cap = 100.0 if not name.startswith("remat <= ") else float(name[9:-1])
     peaks = [p for p, pct in options if pct <= cap + 1e-9]
@@ -215,7 +215,7 @@ def test_a_deep_stack_from_two_shallow_copies_is_its_own_trace() -> None:
                 step = r.steps[name]
                 assert step.peak.peak(b, s)[0] == t.peak_bytes, (name, b, s)
                 assert step.peak.peak(b, s, tensors=True)[0] == t.tensor_peak_bytes
-                total = sum(e.time_s for e in t.events)
+                total = sum(e.time_s for e in t.events)  # estimated (roofline), not timed
                 assert step.recompute_pct(profile, b, s) == pytest.approx(
                     100 * t.recompute_time_s / total, rel=1e-9
                 )
