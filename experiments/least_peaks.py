@@ -4,7 +4,8 @@ remat's whole-graph executor, which can recompute anywhere.
 
 Native: the least traced peak among its fixed plans and the chain DP's uniform menu options
 (every region recomputed is usually the least), on the blocks and on the blocks' sub-modules
-(:func:`remat.native.regions.split_blocks`, which ``auto`` also plans on). Graph: the least simulated peak of the
+(:func:`remat.native.regions.split_blocks`, which ``auto`` also plans on), each with and
+without the modules outside the blocks (:func:`remat.native.regions.outside_blocks`). Graph: the least simulated peak of the
 heuristics the budget search uses (:func:`remat.solver.registry.least_peak`). Both at the
 allocator, for one fp32 training step on the CPU profile. Also where the native least peak
 falls (the op and whether it is inside a block). Writes ``experiments/results/least_peaks.csv``.
@@ -29,25 +30,31 @@ from remat.graph.profiles import get_profile  # noqa: E402
 from remat.native.api import analyze as native_analyze  # noqa: E402
 from remat.native.api import kv_cache_off  # noqa: E402
 from remat.native.planner import NATIVE_PLANS, fixed_policies, uniform_plans  # noqa: E402
-from remat.native.regions import find_blocks, split_blocks  # noqa: E402
+from remat.native.regions import find_blocks, outside_blocks, split_blocks  # noqa: E402
 from remat.pipeline import analyze  # noqa: E402
 from remat.request import Request  # noqa: E402
 from remat.solver.registry import HEURISTICS, least_peak  # noqa: E402
 from tests.zoo import NATIVE_ZOO  # noqa: E402
 
-DECODERS = ("tiny_gpt", "hf_gpt2", "hf_llama_gqa", "hf_mixtral_moe")
+MODELS = ("tiny_gpt", "hf_gpt2", "hf_llama_gqa", "hf_mixtral_moe", "hf_bert", "resnet_bn")
 
 
 def main() -> None:
     rows = []
-    for case in (c for c in NATIVE_ZOO if c.name in DECODERS):
+    for case in (c for c in NATIVE_ZOO if c.name in MODELS):
         torch.manual_seed(0)
         model, args = case.build().train(), case.inputs()
         problem = analyze(model, args, case.kwargs, device_profile="cpu").problem
         graph = min(least_peak(problem, n) for n in HEURISTICS)
         blocks = find_blocks(model)
         least = {}
-        for regions, label in ((blocks, "blocks"), (split_blocks(model, blocks), "sub-modules")):
+        split, outside = split_blocks(model, blocks), outside_blocks(model, blocks)
+        for regions, label in (
+            (blocks, "blocks"),
+            (blocks + outside, "blocks and the modules outside them"),
+            (split, "sub-modules"),
+            (split + outside, "sub-modules and the modules outside the blocks"),
+        ):
             with kv_cache_off(model):
                 traced, native = native_analyze(
                     model, regions, args, case.kwargs, Request.of(), get_profile("cpu"),

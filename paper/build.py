@@ -406,7 +406,7 @@ def lengths_table() -> str:
 
 
 def least_peaks_table() -> str:
-    """Each executor's least peak on the zoo's decoders (experiments/least_peaks.py)."""
+    """Each executor's least peak on the zoo (experiments/least_peaks.py)."""
     out = [
         [
             r["model"],
@@ -419,7 +419,7 @@ def least_peaks_table() -> str:
         for r in _read("least_peaks.csv")
     ]
     header = ["model", "whole-graph least MiB", "native, blocks MiB",
-              "native, with sub-modules MiB", "native / whole-graph", "native plan"]  # fmt: skip
+              "native, all regions MiB", "native / whole-graph", "native plan"]  # fmt: skip
     return _table(header, out)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,9 @@ def apply(
     buffers and ``state_dict`` keys are untouched; :func:`unapply` restores the blocks.
     Where the blocks' plan recomputes, ``auto`` also plans with each block's sub-modules as
     the regions (:func:`remat.native.regions.split_blocks`) and keeps the cheaper plan that
-    fits. Code outside the regions (embeddings, head, loss) runs eagerly. The KV cache of every
+    fits. The solvers also plan the modules outside the blocks that hold parameters (the
+    embeddings, the final norm, the head: :func:`remat.native.regions.outside_blocks`);
+    code that is no module's (a loss computed in the model's forward) runs eagerly. The KV cache of every
     Hugging Face model inside ``model`` (itself, or one a training wrapper calls) is turned off
     (``config.use_cache = False``, as ``gradient_checkpointing_enable()`` does; ``unapply``
     restores it).
@@ -249,6 +251,10 @@ def analyze(
     return Traced(fake, profile, autocast), problem
 
 
+Analyzed = tuple[planner.NativeProblem, planner.Tracer]
+"""A step traced with every region eager, and how to trace it under other policies."""
+
+
 def _plan(
     model: nn.Module,
     blocks: tuple[str, ...],
@@ -259,12 +265,14 @@ def _plan(
     profile: DeviceProfile,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every region eager, then solve (or load, or fix) the policies.
-    ``auto`` plans on the blocks and, where that recomputes, also on each block's
-    sub-modules (:func:`remat.native.regions.split_blocks`): the cheaper traced plan that
-    fits wins (each granularity has the request's time limit)."""
+    A solver plans on the blocks and the modules outside them
+    (:func:`remat.native.regions.outside_blocks`; on the blocks alone where those cannot be
+    regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
+    place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
+    that fits wins (each pass has the request's time limit). Fixed plans are the blocks'."""
     plan = req.plan
 
-    def on(regions_: tuple[str, ...]) -> tuple[planner.NativeProblem, planner.Tracer]:
+    def on(regions_: tuple[str, ...]) -> Analyzed:
         traced, problem = analyze(model, regions_, args, kwargs, req, profile, fsdp_units=blocks)
         return problem, lambda policies: traced.trace(args, kwargs, policies)
 
@@ -273,38 +281,51 @@ def _plan(
         f = read_plan(plan)
         problem, tracer = on(_file_regions(f, model, blocks))
         return problem, _from_file(problem, f, plan, tracer)
-    problem, tracer = on(blocks)
     if isinstance(plan, str):
+        problem, tracer = on(blocks)
         solution = planner.fixed(problem, plan, tracer)
         if step_budget is not None and solution.trace.peak_bytes > step_budget:
             raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
         return problem, solution
     solver, config = req.solver or "auto", req.solver_config()
-    try:
-        best: tuple[planner.NativeProblem, planner.Solution] | None = (
-            problem,
-            planner.solve(problem, tracer, budget_bytes=step_budget, config=config, solver=solver),
+    progress = config.progress or (lambda _: None)
+    outside = regions.outside_blocks(model, blocks)
+
+    def solved(
+        regions_: tuple[str, ...], analyzed: Analyzed | None = None
+    ) -> tuple[planner.NativeProblem, planner.Solution]:
+        problem, tracer = analyzed or on(regions_)
+        return problem, planner.solve(
+            problem, tracer, budget_bytes=step_budget, config=config, solver=solver
         )
-        error: BudgetError | None = None
+
+    best: tuple[planner.NativeProblem, planner.Solution] | None = None
+    error: BudgetError | None = None
+    analyzed: Analyzed | None = None
+    try:
+        if outside:
+            outside, analyzed = _worth_a_region(on, blocks, outside, progress)
+    except TraceError as e:
+        progress(f"native: the modules outside the blocks cannot be regions ({e})")
+        outside = ()
+    try:
+        best = solved(blocks + outside, analyzed)
     except BudgetError as e:
-        best, error = None, e
+        error = e
     split = regions.split_blocks(model, blocks)
     if solver != "auto" or step_budget is None or len(split) <= len(blocks):
         return _best(best, error)
     if best is not None and best[1].trace.recompute_time_s == 0:
         return best
-    if config.progress:
-        config.progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
+    progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
     try:
-        finer, finer_tracer = on(split)
-        solution = planner.solve(finer, finer_tracer, budget_bytes=step_budget, config=config)
+        finer, solution = solved(split + outside)
     except BudgetError as e:
         if error is None or e.least_peak_bytes < error.least_peak_bytes:
             error = e
         return _best(best, error)
     except TraceError as e:  # a sub-module the step does not call, say: the blocks' plan
-        if config.progress:
-            config.progress(f"native: the sub-modules cannot be regions ({e})")
+        progress(f"native: the sub-modules cannot be regions ({e})")
         return _best(best, error)
     solution = replace(
         solution, reason=f"regions: the blocks' {len(split)} sub-modules; {solution.reason}"
@@ -312,6 +333,39 @@ def _plan(
     if best is None or _cost(solution) < _cost(best[1]):
         return finer, solution
     return best
+
+
+def _worth_a_region(
+    on: Callable[[tuple[str, ...]], Analyzed],
+    blocks: tuple[str, ...],
+    outside: tuple[str, ...],
+    progress: Callable[[str], object],
+) -> tuple[tuple[str, ...], Analyzed | None]:
+    """The modules of ``outside`` whose recomputation holds less from their forward to their
+    backward than running them eagerly, measured by one trace with only those recomputed;
+    and the step analyzed on the blocks and them, where all are. Why: an embedding saves
+    nothing but its indices and a checkpoint saves the RNG state (5 KiB of CPU state per
+    region), so recomputing one gains nothing; left out, it cannot hold a plan above the
+    blocks' least peak."""
+    analyzed = on(blocks + outside)
+    problem, tracer = analyzed
+    trace = tracer(
+        [
+            None if path in blocks else planner.required_keys(problem.streams[problem.class_of(k)])
+            for k, path in enumerate(problem.blocks)
+        ]
+    )
+
+    def held(t: StepTrace, path: str) -> int:
+        start, end = t.forward_live[problem.blocks.index(path)]
+        return end - start
+
+    useful = tuple(p for p in outside if held(trace, p) < held(problem.baseline, p))
+    if useful == outside:
+        return outside, analyzed
+    left = ", ".join(p for p in outside if p not in useful)
+    progress(f"native: recomputing {left} (outside the blocks) gains nothing: kept eager")
+    return useful, None
 
 
 def _cost(solution: planner.Solution) -> tuple[float, int]:
@@ -328,11 +382,15 @@ def _best(
 
 
 def _file_regions(f: PlanFile, model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
-    """The regions a native plan file was solved on: the blocks, or their sub-modules."""
-    saved = tuple(f.record.get("graph", {}).get("blocks", ()))
-    split = regions.split_blocks(model, blocks)
-    if saved and set(saved) != set(blocks) and set(saved) == set(split):
-        return split  # put in the order the forward runs them, as when it was solved
+    """The regions a native plan file was solved on, where they are regions :func:`_plan`
+    plans on (the blocks or their sub-modules, and modules outside the blocks), in module
+    order (the trace puts them in the order the forward runs them, as when it was solved);
+    otherwise the blocks, whose fingerprint then says the file is for another model."""
+    saved = set(f.record.get("graph", {}).get("blocks", ()))
+    split, outside = regions.split_blocks(model, blocks), regions.outside_blocks(model, blocks)
+    for inner in (blocks, split):
+        if set(inner) <= saved <= set(inner) | set(outside):
+            return tuple(p for p in (*inner, *outside) if p in saved)
     return blocks
 
 

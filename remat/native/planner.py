@@ -338,7 +338,7 @@ def _chain(
     n = len(problem.blocks)
     options_of, n_classes, n_opts = menus_of(problem)
     progress = config.progress or (lambda _: None)
-    progress(f"native: {n} blocks, {n_classes} class(es), {n_opts} options; tracing each")
+    progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
 
     found: dict[tuple[int, ...], StepTrace] = {}
 
@@ -370,7 +370,7 @@ def _chain(
     names = [options_of[k][o].name for k, o in enumerate(choice)]
     summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
     reason = (
-        f"chain DP over {n} blocks ({n_opts} options per class, {len(found)} plans traced "
+        f"chain DP over {n} regions ({n_opts} options per class, {len(found)} plans traced "
         f"on FakeTensors): {summary}"
     )
     chosen = Solution(

@@ -98,6 +98,26 @@ def split_blocks(model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def outside_blocks(model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """The outermost modules outside the blocks that hold parameters and contain no block:
+    the embeddings, the final norm, the head (a CNN's stem and classifier), in module order.
+    Why: as regions they let a plan recompute there too, which lowers the peak where those
+    modules save much for their backward (a CNN's full-resolution stem, BERT's embeddings
+    and prediction head: 4-7% on the zoo's). A loss computed in the model's own code (not a
+    module) cannot be a region, and a checkpoint cannot lower the forward transient of a
+    large-vocabulary loss anyway: it is made and consumed in the forward."""
+    modules = dict(model.named_modules())
+    holders = {".".join(b.split(".")[:i]) for b in blocks for i in range(len(b.split(".")))}
+    out: list[str] = []
+    for path, m in modules.items():
+        if path in holders or any(path == b or path.startswith(b + ".") for b in blocks):
+            continue
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        if parent in holders and any(True for _ in m.parameters()):
+            out.append(path)
+    return tuple(out)
+
+
 @dataclass
 class Region:
     """What remat attached to one block: its path and the policy it runs with."""

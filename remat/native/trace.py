@@ -499,7 +499,7 @@ class FakeModel:
             for k, (m, policy) in enumerate(zip(self._blocks, policies, strict=True)):
                 regions.wrap(m, self.blocks[k], policy)
                 stack.callback(regions.unwrap, m)
-                stack.enter_context(_labels(m, k, recorder))
+                stack.enter_context(_labels(m, k, self.blocks[k], recorder))
             regions._observers.append(recorder.region)
             stack.callback(regions._observers.pop)
             regions._made_outside.append(recorder.made_outside)
@@ -531,6 +531,8 @@ class FakeModel:
                     autocast_policy=policy_of(profile.name),
                 )
                 live_at_end = frozenset(recorder.names.values())
+            except TraceError:
+                raise
             except Exception as e:
                 raise _explain(e, recorder, self.real) from e
             finally:
@@ -538,7 +540,7 @@ class FakeModel:
                     p.grad = None  # shared with the user's model when it is fake
         missing = [self.blocks[k] for k in range(len(self.blocks)) if k not in recorder.fwd_live]
         if missing:
-            raise TraceError(f"blocks never called in the forward: {missing[:3]}")
+            raise TraceError(f"regions never called in the forward: {missing[:3]}")
         live = tuple(recorder.fwd_live[k] for k in range(len(self.blocks)))
         peak = recorder.allocator_peak()
         return StepTrace(
@@ -585,13 +587,20 @@ class FakeModel:
 
 
 @contextlib.contextmanager
-def _labels(module: nn.Module, k: int, recorder: _Recorder) -> Iterator[None]:
+def _labels(module: nn.Module, k: int, path: str, recorder: _Recorder) -> Iterator[None]:
     """Forward ops of block ``k`` are labelled by its forward hooks (the region observer also
     labels them, and its recomputations); its backward starts when the gradient of its output
     arrives (a hook on the output tensors)."""
 
     def pre(mod: nn.Module, args: Any) -> None:
         if recorder.phase == "forward":
+            if k in recorder.fwd_live:
+                # Its policy's (op, k) keys restart at every call: one plan cannot say
+                # which call keeps what.
+                raise TraceError(
+                    f"region {path} runs more than once in the forward (a "
+                    "module called twice, or shared): a region must run once per step"
+                )
             recorder.block = k
             recorder.counts.clear()
             recorder.creator.clear()

@@ -1,5 +1,6 @@
-"""Regions finer than the blocks: ``auto`` also plans on each block's sub-modules, which reach
-below every plan on whole blocks; their plans re-apply from a plan file."""
+"""Regions other than the blocks: ``auto`` also plans on each block's sub-modules, and every
+solver on the modules outside the blocks where recomputing them holds less; both reach below
+every plan on the blocks alone, and their plans re-apply from a plan file."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import pytest
 import torch
 
 import remat
-from remat.native.regions import find_blocks, split_blocks
+from remat.graph.profiles import get_profile
+from remat.native.api import analyze, kv_cache_off
+from remat.native.planner import NATIVE_PLANS, fixed_policies, uniform_plans
+from remat.native.regions import find_blocks, outside_blocks, split_blocks
 from remat.native.state import applied
+from remat.request import Request
+from tests.checks import assert_trains_like_eager
 from tests.zoo import NATIVE_ZOO, Case
 
 CASES = {c.name: c for c in NATIVE_ZOO}
@@ -42,11 +48,69 @@ def test_sub_module_regions_fit_below_every_whole_block_plan(name: str, tmp_path
     state = applied(fitted)
     assert plan.predicted_peak_bytes <= budget
     assert plan.reason.startswith("regions: the blocks' ")
-    # Regions in the order the forward runs them (llama's norms before attention and MLP).
-    assert sorted(state.blocks) == sorted(split_blocks(model, find_blocks(model)))
+    # Regions in the order the forward runs them (llama's norms before attention and MLP),
+    # with those of the modules outside the blocks that gain from a recomputation.
+    blocks = find_blocks(model)
+    assert set(split_blocks(model, blocks)) <= set(state.blocks)
+    assert set(state.blocks) - set(split_blocks(model, blocks)) <= set(
+        outside_blocks(model, blocks)
+    )
 
     path = remat.save_plan(fitted, tmp_path / "plan.json")
     again = remat.apply(copy.deepcopy(model), args, plan=path)
     assert applied(again).blocks == state.blocks
     assert applied(again).policies == state.policies
     assert remat.plan_of(again).predicted_peak_bytes == plan.predicted_peak_bytes
+
+
+def test_outside_blocks_are_the_outermost_modules_with_parameters_around_the_blocks() -> None:
+    model = CASES["hf_llama_gqa"].build()
+    assert outside_blocks(model, find_blocks(model)) == (
+        "model.embed_tokens",
+        "model.norm",
+        "lm_head",
+    )  # not model.rotary_emb: no parameters
+    resnet = CASES["resnet_bn"].build()
+    assert outside_blocks(resnet, find_blocks(resnet)) == ("stem", "head")
+
+
+def _least_on_the_blocks(case: Case, model: torch.nn.Module, args: tuple) -> int:
+    """The least traced peak of every plan on the blocks alone (the fixed plans and the chain
+    DP's menu applied to every block), as ``experiments/least_peaks.py`` finds it."""
+    blocks = find_blocks(model)
+    with kv_cache_off(model):
+        traced, problem = analyze(
+            model, blocks, args, case.kwargs, Request.of(), get_profile("cpu")
+        )
+        plans = [fixed_policies(problem, n) for n in NATIVE_PLANS]
+        plans += list(uniform_plans(problem).values())
+        return min(traced.trace(args, case.kwargs, p).peak_bytes for p in plans)
+
+
+@pytest.mark.parametrize("name", ["hf_bert", "resnet_bn"])
+def test_outside_regions_fit_below_every_plan_on_the_blocks(name: str, tmp_path: Path) -> None:
+    """BERT's embeddings (sum, LayerNorm, dropout) and a CNN's full-resolution stem save
+    much for their backward: recomputed, they let a plan reach below the least peak on the
+    blocks alone; bitwise over 3 AdamW steps, predicted == measured, and re-applied from
+    its plan file."""
+    case: Case = CASES[name]
+    torch.manual_seed(0)
+    model, args = case.build().train(), case.inputs()
+    budget = int(0.97 * _least_on_the_blocks(case, model, args))
+    result = assert_trains_like_eager(
+        model, args, case.kwargs, native=True, activation_budget_bytes=budget
+    )
+    assert result.plan.predicted_peak_bytes <= budget
+    assert all(s.measured_peak_bytes <= budget for s in result.steps)
+
+    fitted = remat.apply(
+        copy.deepcopy(model), args, example_kwargs=case.kwargs, activation_budget_bytes=budget
+    )
+    state = applied(fitted)
+    outside = set(outside_blocks(model, find_blocks(model)))
+    recomputed = {p for p, pol in zip(state.blocks, state.policies, strict=True) if pol is not None}
+    assert recomputed & outside, (state.blocks, state.policies)
+    path = remat.save_plan(fitted, tmp_path / "plan.json")
+    again = remat.apply(copy.deepcopy(model), args, example_kwargs=case.kwargs, plan=path)
+    assert applied(again).blocks == state.blocks
+    assert applied(again).policies == state.policies
