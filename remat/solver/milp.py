@@ -673,6 +673,30 @@ def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) 
     return _solve(problem, None, config, start)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """One exact solve: the problem as given and compressed, the budget (``None``: least
+    peak), the start plan on both, the values a neighbourhood solve fixes, the deadline."""
+
+    original: Problem
+    comp: Compressed
+    budget_bytes: int | None
+    config: SolverConfig
+    start: Plan | None
+    small_start: Plan | None
+    fix: dict[str, str]
+    free: Collection[str] | None
+    t0: float
+    deadline: float
+
+    @property
+    def what(self) -> str:
+        return "least recompute time" if self.budget_bytes is not None else "least peak"
+
+    def model(self, budget_bytes: int | None) -> _Model:
+        return _Model(self.comp.problem, budget_bytes, self.comp.fold, self.fix, self.deadline)
+
+
 def _solve(
     problem: Problem,
     budget_bytes: int | None,
@@ -680,58 +704,71 @@ def _solve(
     start: Plan | None,
     free: Collection[str] | None = None,
 ) -> Plan:
+    """Solve the losslessly compressed problem; the plan is made and checked on the original.
+    The model is solved, its plan simulated, and cuts added at the moments where the
+    simulation is over the model's peak, until they agree (:func:`_rounds`)."""
     t0 = time.perf_counter()
-    deadline = t0 + config.time_limit_s
-    # Solve the losslessly compressed problem; the plan is made and checked on the original.
-    original = problem
-    comp = compress(original)
-    problem = comp.problem
+    comp = compress(problem)
     small_start, fix = _compressed_start(comp, start, free)
+    search = _Search(
+        problem, comp, budget_bytes, config, start, small_start, fix, free,
+        t0, t0 + config.time_limit_s,
+    )  # fmt: skip
+    opened = _open(search)
+    return opened if isinstance(opened, Plan) else _rounds(search, opened)
+
+
+def _open(s: _Search) -> _Model | Plan:
+    """The model, bounded below by its plan-independent floor and above by the start plan's
+    peak; or the plan already known: the start, where it reaches the floor or the model
+    could not be built in time."""
     try:
-        model = _Model(problem, budget_bytes, comp.fold, fix, deadline)
+        model = s.model(s.budget_bytes)
     except BelowFloor as e:
-        assert budget_bytes is not None
-        raise _budget_error(budget_bytes, e.floor, _least_plan(original, config, start)) from None
+        assert s.budget_bytes is not None
+        least = _least_plan(s.original, s.config, s.start)
+        raise _budget_error(s.budget_bytes, e.floor, least) from None
     except ModelTimeout as e:
-        if start is None or budget_bytes is None:
+        if s.start is None or s.budget_bytes is None:
             raise
         return dataclasses.replace(
-            start, reason=f"exact MILP: {e}; kept {start.solver}", proof=Proof.TIME_LIMIT
+            s.start, reason=f"exact MILP: {e}; kept {s.start.solver}", proof=Proof.TIME_LIMIT
         )
-    floor = model.floor
-    what = "least recompute time" if budget_bytes is not None else "least peak"
     if model.budget_var is not None:
-        model.budget_var.lowBound = floor
-        if start is not None:
-            if start.predicted_peak_bytes <= floor:
+        model.budget_var.lowBound = model.floor
+        if s.start is not None:
+            if s.start.predicted_peak_bytes <= model.floor:
                 return dataclasses.replace(
-                    start,
+                    s.start,
                     solver="exact",
-                    reason=f"exact ({what}): {start.solver}'s plan reaches the plan-independent "
-                    "floor (optimal)",
+                    reason=f"exact ({s.what}): {s.start.solver}'s plan reaches the "
+                    "plan-independent floor (optimal)",
                     proof=Proof.OPTIMAL,
                 )
-            model.budget_var.upBound = start.predicted_peak_bytes
+            model.budget_var.upBound = s.start.predicted_peak_bytes
+    return model
+
+
+def _rounds(s: _Search, model: _Model) -> Plan:
+    """Solve, simulate, cut where the simulation is over, until the plan is within the
+    model's peak (or the time is up)."""
+    problem = s.comp.problem
     rounds = 0
     margin = 0  # bytes taken off the budget to absorb the solver's feasibility tolerance
     fresh = True
     while True:
         rounds += 1
-        if config.progress:
-            config.progress(f"exact MILP round {rounds}: {model.binaries} binaries")
-        warm = _start(model, small_start) if small_start is not None and fresh else {}
+        if s.config.progress:
+            s.config.progress(f"exact MILP round {rounds}: {model.binaries} binaries")
+        warm = _start(model, s.small_start) if s.small_start is not None and fresh else {}
         fresh = False
-        left = max(1.0, deadline - time.perf_counter())
-        model.lp.solve(backend(config, left, warm, probing=False))
-        if model.lp.status == pulp.LpStatusInfeasible:  # confirmed without presolve
-            left = max(1.0, deadline - time.perf_counter())
-            model.lp.solve(backend(config, left, warm, probing=False, presolve=False))
+        _run_solver(model, s, warm)
         if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return _no_solution(model, original, budget_bytes, config, start, free)
+            return _no_solution(model, s.original, s.budget_bytes, s.config, s.start, s.free)
         saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
         plan = make_plan(problem, saved, solver="exact", reason="", proof=Proof.TIME_LIMIT)
         sim = plan.simulation
-        target = float(budget_bytes if budget_bytes is not None else pulp.value(model.M))
+        target = float(s.budget_bytes if s.budget_bytes is not None else pulp.value(model.M))
         if sim.peak_bytes <= target + 0.5:
             break
         added = 0
@@ -740,21 +777,13 @@ def _solve(
             if added >= 8:
                 break
         over = sim.peak_bytes - target
-        if not added and budget_bytes is not None and over <= max(1024, 1e-6 * target):
+        if not added and s.budget_bytes is not None and over <= max(1024, 1e-6 * target):
             # Within the solver's feasibility tolerance (1e-7 of a row's scale): not a
             # modelling gap. Solve again for a budget smaller by that much.
-            if time.perf_counter() > deadline:
-                # A model solved for less than the budget bounds nothing at the budget.
-                bound = _cost_bound(model) if not margin and free is None else None
-                what = f"{rounds} round(s), re-solving for the solver's tolerance"
-                return _out_of_time(start, bound, what)
-            margin += math.ceil(over) + 1
-            try:
-                model = _Model(problem, budget_bytes - margin, comp.fold, fix, deadline)
-            except (BelowFloor, ModelTimeout):  # a budget this close to the floor, or no time
-                what = f"{rounds} round(s), re-solving for the solver's tolerance"
-                return _out_of_time(start, None, what)
-            fresh = True
+            again = _for_tolerance(s, model, margin, over, rounds)
+            if isinstance(again, Plan):
+                return again
+            (model, margin), fresh = again, True
             continue
         if not added:
             raise RuntimeError(
@@ -762,16 +791,44 @@ def _solve(
                 f"(simulated {sim.peak_bytes:,} B at {sim.peak_step}, model {target:,.0f} B); "
                 "this is a bug, please report it with the model"
             )
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > s.deadline:
             # The model so far is a relaxation: its bound is still a valid lower bound (unless
             # it was solved for less than the budget).
-            bound = _cost_bound(model) if not margin and free is None else None
-            what = f"{rounds} round(s) of cuts"
-            return _out_of_time(start if budget_bytes is not None else None, bound, what)
-    rounds_text = f"{rounds} round(s), {time.perf_counter() - t0:.1f} s"
+            bound = _cost_bound(model) if not margin and s.free is None else None
+            start = s.start if s.budget_bytes is not None else None
+            return _out_of_time(start, bound, f"{rounds} round(s) of cuts")
+    rounds_text = f"{rounds} round(s), {time.perf_counter() - s.t0:.1f} s"
     return _final_plan(
-        model, original, saved, sim, budget_bytes, what, rounds_text, margin, len(fix), free
-    )
+        model, s.original, saved, sim, s.budget_bytes, s.what, rounds_text, margin,
+        len(s.fix), s.free,
+    )  # fmt: skip
+
+
+def _run_solver(model: _Model, s: _Search, warm: dict[pulp.LpVariable, float]) -> None:
+    left = max(1.0, s.deadline - time.perf_counter())
+    model.lp.solve(backend(s.config, left, warm, probing=False))
+    if model.lp.status == pulp.LpStatusInfeasible:  # confirmed without presolve
+        left = max(1.0, s.deadline - time.perf_counter())
+        model.lp.solve(backend(s.config, left, warm, probing=False, presolve=False))
+
+
+def _for_tolerance(
+    s: _Search, model: _Model, margin: int, over: float, rounds: int
+) -> tuple[_Model, int] | Plan:
+    """The model again for ``over`` more bytes under the budget than ``margin``, and the new
+    margin; the start plan (or none) where there is no time for it or the budget is that
+    close to the floor."""
+    what = f"{rounds} round(s), re-solving for the solver's tolerance"
+    if time.perf_counter() > s.deadline:
+        # A model solved for less than the budget bounds nothing at the budget.
+        bound = _cost_bound(model) if not margin and s.free is None else None
+        return _out_of_time(s.start, bound, what)
+    assert s.budget_bytes is not None
+    margin += math.ceil(over) + 1
+    try:
+        return s.model(s.budget_bytes - margin), margin
+    except (BelowFloor, ModelTimeout):  # a budget this close to the floor, or no time
+        return _out_of_time(s.start, None, what)
 
 
 def _compressed_start(
