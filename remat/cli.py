@@ -64,7 +64,7 @@ from remat.request import Request, as_args, model_static_memory, resolve_profile
 from remat.rewrite.module import RematModule
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
-from remat.solver.plan import Plan
+from remat.solver.plan import Plan, Proof, floor_of, gap_text, proven
 from remat.solver.registry import HEURISTICS, SOLVERS, least_peak, solve
 from remat.verify import verify
 
@@ -179,7 +179,18 @@ def _demo_sweep(
     least = min(least_peak(problem, n, config) for n in HEURISTICS)
     budgets = [least + (keep_all - least) * k // (args.budgets - 1) for k in range(args.budgets)]
     points: dict[str, list[tuple[int, float]]] = {}
-    table = Table(title="recompute % of the step, by solver and budget (- : does not fit)",
+    found: dict[tuple[str, int], Plan] = {}
+    for name in SOLVERS:
+        for b in budgets:
+            try:
+                with console.status(f"sweep: {name} at {_mib(b)} MiB..."):
+                    found[name, b] = solve(problem, solver=name, budget_bytes=b, config=config)
+            except (BudgetError, ValueError, RuntimeError):
+                continue
+    # The best floor at a budget holds for every plan there: each plan's gap is to it.
+    floors = {b: floor_of(p for (_, at), p in found.items() if at == b) for b in budgets}
+    table = Table(title="recompute % of the step, by solver and budget (- : does not fit; "
+                  "opt: proven least; +x%: above the best floor proven at that budget)",
                   box=box.SIMPLE_HEAD)  # fmt: skip
     table.add_column("solver")
     for b in budgets:
@@ -187,16 +198,14 @@ def _demo_sweep(
     for name in SOLVERS:
         cells = []
         for b in budgets:
-            try:
-                with console.status(f"sweep: {name} at {_mib(b)} MiB..."):
-                    plan = solve(problem, solver=name, budget_bytes=b, config=config)
-            except (BudgetError, ValueError, RuntimeError):
+            plan = found.get((name, b))
+            if plan is None:
                 cells.append("-")
                 continue
             sim = plan.simulation
             pct = 100 * sim.recompute_time_s / sim.step_time_s
             points.setdefault(name, []).append((plan.predicted_peak_bytes, pct))
-            cells.append(f"{pct:.2f}")
+            cells.append(f"{pct:.2f} {gap_text(plan, floors[b])}".rstrip())
         table.add_row(name, *cells)
     console.print(table)
     out = Path(args.out)
@@ -352,7 +361,9 @@ def compare_command(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             try:
                 with console.status(f"{_gb_text(total)}: {name}..."):
-                    peak, recompute_pct, bound_pct = side.solve(name, d.step_budget_bytes, config)
+                    peak, recompute_pct, bound_pct, proof = side.solve(
+                        name, d.step_budget_bytes, config
+                    )
             except (BudgetError, ValueError, RuntimeError) as e:
                 rows.append({"budget_bytes": total, "solver": name, "error": str(e)[:200]})
                 continue
@@ -364,32 +375,17 @@ def compare_command(args: argparse.Namespace) -> int:
                     "total_bytes": d.total_for(peak),
                     "recompute_pct": recompute_pct,
                     "bound_pct": bound_pct,
+                    "proof": proof.value,
                     "solve_s": time.perf_counter() - t0,
                     "error": "",
                 }
             )
-    table = Table(title=f"{built.description}: every solver (profile {args.device})")
-    for col in ("budget", "solver", "step peak", "total", "recompute %", "bound %", "solve s"):
-        table.add_column(col, justify="left" if col == "solver" else "right")
-    for r in rows:
-        budget_text = _gb_text(float(r["budget_bytes"]))  # type: ignore[arg-type]
-        if r["error"]:
-            table.add_row(budget_text, str(r["solver"]), "[dim]does not fit", "", "", "", "")
-            continue
-        bound = r["bound_pct"]
-        table.add_row(
-            budget_text,
-            str(r["solver"]),
-            _gb_text(float(r["step_peak_bytes"])),  # type: ignore[arg-type]
-            _gb_text(float(r["total_bytes"])),  # type: ignore[arg-type]
-            f"{r['recompute_pct']:.2f}",
-            "-" if bound is None else f"{bound:.2f}",
-            f"{r['solve_s']:.1f}",
-        )
-    console.print(table)
+    console.print(
+        _compare_table(rows, f"{built.description}: every solver (profile {args.device})")
+    )
     if args.csv:
         fields = ["budget_bytes", "solver", "step_peak_bytes", "total_bytes", "recompute_pct",
-                  "bound_pct", "solve_s", "error"]  # fmt: skip
+                  "bound_pct", "proof", "solve_s", "error"]  # fmt: skip
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
@@ -404,6 +400,53 @@ def compare_command(args: argparse.Namespace) -> int:
                 )
         console.print(f"wrote {pareto_plot(points, args.plot)} (overhead vs step peak per solver)")
     return 0
+
+
+Solved = tuple[int, float, "float | None", Proof]
+"""A compared plan: step peak bytes, recompute % of the step, its proven floor in % (or
+None), its proof."""
+
+
+def _compare_table(rows: list[dict[str, object]], title: str) -> Table:
+    """``remat compare``'s rows, each plan's proof read from its data: ``opt`` (proven least,
+    or at the best floor any plan proved at that budget), ``+x%`` above that floor, or what
+    kind of plan it is."""
+    floors: dict[object, float] = {}
+    for r in rows:
+        if r["error"]:
+            continue
+        found = [r["bound_pct"], r["recompute_pct"] if r["proof"] == Proof.OPTIMAL.value else None]
+        for f in found:
+            if isinstance(f, float):
+                floors[r["budget_bytes"]] = max(f, floors.get(r["budget_bytes"], 0.0))
+    table = Table(title=title)
+    for col in ("budget", "solver", "step peak", "total", "recompute %", "floor %", "proof",
+                "solve s"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("solver", "proof") else "right")
+    for r in rows:
+        budget_text = _gb_text(float(r["budget_bytes"]))  # type: ignore[arg-type]
+        if r["error"]:
+            table.add_row(budget_text, str(r["solver"]), "[dim]does not fit", "", "", "", "", "")
+            continue
+        bound, pct = r["bound_pct"], float(r["recompute_pct"])  # type: ignore[arg-type]
+        floor = floors.get(r["budget_bytes"])
+        if r["proof"] == Proof.OPTIMAL.value or (floor is not None and pct <= floor * (1 + 1e-9)):
+            proof = "optimal"
+        elif floor:
+            proof = f"within {pct / floor - 1:.1%} of the floor"
+        else:
+            proof = f"{Proof(r['proof']).value.replace('_', ' ')}, no floor"
+        table.add_row(
+            budget_text,
+            str(r["solver"]),
+            _gb_text(float(r["step_peak_bytes"])),  # type: ignore[arg-type]
+            _gb_text(float(r["total_bytes"])),  # type: ignore[arg-type]
+            f"{pct:.2f}",
+            "-" if bound is None else f"{bound:.2f}",
+            proof,
+            f"{r['solve_s']:.1f}",
+        )
+    return table
 
 
 class _GraphSide:
@@ -425,13 +468,12 @@ class _GraphSide:
         least = min(least_peak(self.problem, n, config) for n in HEURISTICS)
         return least, keep_all.predicted_peak_bytes
 
-    def solve(
-        self, name: str, budget: int, config: SolverConfig
-    ) -> tuple[int, float, float | None]:
+    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
         plan = solve(self.problem, solver=name, budget_bytes=budget, config=config)
         step = plan.simulation.step_time_s
         bound = None if plan.lower_bound_s is None else 100 * plan.lower_bound_s / step
-        return plan.predicted_peak_bytes, 100 * plan.simulation.recompute_time_s / step, bound
+        pct = 100 * plan.simulation.recompute_time_s / step
+        return plan.predicted_peak_bytes, pct, bound, proven(plan)
 
 
 class _NativeSide:
@@ -462,9 +504,7 @@ class _NativeSide:
         least = native_fixed(self.problem, "block", self._tracer).trace.peak_bytes
         return least, self.problem.baseline.peak_bytes
 
-    def solve(
-        self, name: str, budget: int, config: SolverConfig
-    ) -> tuple[int, float, float | None]:
+    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
         if name.startswith("plan:"):  # remat.apply(plan=...)
             solution = native_fixed(self.problem, name.removeprefix("plan:"), self._tracer)
             if solution.trace.peak_bytes > budget:
@@ -475,7 +515,8 @@ class _NativeSide:
             )
         trace = solution.trace
         step = sum(e.time_s for e in trace.events)
-        return trace.peak_bytes, 100 * trace.recompute_time_s / step if step else 0.0, None
+        pct = 100 * trace.recompute_time_s / step if step else 0.0
+        return trace.peak_bytes, pct, None, Proof.OPTIMAL if pct == 0 else solution.proof
 
 
 def _shallow(

@@ -112,7 +112,7 @@ def explain_plan(plan: Plan, problem: Problem, *, width: int = 120) -> str:
         f"{len(plan.recomputed)} recomputed ({sim.recompute_flops / 1e9:,.2f} GFLOP): recompute "
         f"{100 * sim.recompute_time_s / sim.step_time_s:.2f}% of the step on the "
         f"{problem.device_profile!r} profile; predicted step peak "
-        f"{_bytes(plan.predicted_peak_bytes)}; {plan.proof.value}. {plan.reason}"
+        f"{_bytes(plan.predicted_peak_bytes)}; {plan.proof_text}. {plan.reason}"
         if sim.step_time_s
         else plan.reason
     )

@@ -31,7 +31,11 @@ class BudgetError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class SolverConfig:
     time_limit_s: float = 60.0
-    """Wall-clock limit of an optimizing solver; it returns its best plan and proven gap."""
+    """Wall-clock limit of an optimizing solver; it returns its best plan and proven gap.
+    ``exact`` and ``auto`` run the heuristics, the LP rounding and the MILP within it; where
+    the MILP proves nothing in that time, the chain solver runs with this limit too (on
+    models with repeated blocks), so no solver's plan is cheaper than theirs: up to twice the
+    limit in all."""
     backend: str = "auto"
     """MILP backend: ``highs``, ``cbc`` or ``auto`` (HiGHS when installed)."""
     block_types: tuple[str, ...] = ()

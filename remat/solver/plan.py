@@ -91,6 +91,22 @@ class Plan:
     def recomputed(self) -> tuple[str, ...]:
         return self.schedule.recomputed
 
+    @property
+    def proof_text(self) -> str:
+        """What is proven, for people: ``optimal``, ``within 3.1% of the floor`` (its recompute
+        time against its proven lower bound), or the kind of plan with ``no floor``. Read from
+        :attr:`proof` and :attr:`lower_bound_s`, never from the reason text."""
+        proof = proven(self)
+        if proof is Proof.OPTIMAL:
+            return "optimal"
+        bound = self.lower_bound_s
+        if bound is not None and bound > 0:
+            return f"within {self.recompute_time_s / bound - 1:.1%} of the floor"
+        return {
+            Proof.NEIGHBOURHOOD: "optimal in its neighbourhood, no floor",
+            Proof.TIME_LIMIT: "time limit, no floor",
+        }.get(proof, "heuristic, no floor")
+
     def summary(self) -> str:
         sim = self.simulation
         overhead = sim.recompute_time_s / sim.step_time_s if sim.step_time_s else 0.0
@@ -99,7 +115,7 @@ class Plan:
             f"(at {sim.peak_step}); saved for backward {_fmt_bytes(sim.saved_bytes)} "
             f"in {len(self.schedule.saved)} values; {len(self.schedule.recomputed)} ops "
             f"recomputed, {sim.recompute_flops / 1e9:.3f} GFLOP, "
-            f"{overhead:.1%} of the estimated step time; {self.proof.value}. {self.reason}"
+            f"{overhead:.1%} of the estimated step time; {self.proof_text}. {self.reason}"
         )
 
 
@@ -131,6 +147,29 @@ def make_plan(
         simulation=simulate(problem, schedule),
         lower_bound_s=lower_bound_s,
     )
+
+
+def floor_of(plans: Iterable[Plan]) -> float | None:
+    """The best (largest) proven lower bound on the recompute time among ``plans`` solved for
+    one budget (a proven optimum's cost is one): it holds for every plan at that budget."""
+    bounds: list[float] = []
+    for p in plans:
+        if p.lower_bound_s is not None:
+            bounds.append(p.lower_bound_s)
+        if proven(p) is Proof.OPTIMAL:
+            bounds.append(p.recompute_time_s)
+    return max(bounds) if bounds else None
+
+
+def gap_text(plan: Plan, floor: float | None) -> str:
+    """``opt`` when ``plan`` is proven least (its own proof, or its cost at ``floor``),
+    ``+3.1%`` above a positive ``floor``, empty without one."""
+    cost = plan.recompute_time_s
+    if proven(plan) is Proof.OPTIMAL or (floor is not None and cost <= floor * (1 + 1e-9)):
+        return "opt"
+    if floor is not None and floor > 0:
+        return f"+{cost / floor - 1:.1%}"
+    return ""
 
 
 def proven(plan: Plan) -> Proof:

@@ -106,39 +106,32 @@ def _descents(
 
 LP_SHARE = 1 / 3
 """Share of the time limit the LP rounding may take before the exact MILP starts."""
-CHAIN_SHARE = 1 / 3
-"""Share of the time limit the chain solver may take."""
 DESCENT_SHARE = 0.1
 """Share of the time limit the peak descents (:mod:`remat.solver.descent`) may take."""
 DESCENT_STARTS = 2
 """Plans over the budget a descent starts from (the nearest to it, see :func:`_descents`)."""
-CHAIN_MIN_VALUES = 300
-"""``auto`` runs the chain solver above this many compressed forward values: below, the flat
-MILP proves optimality in seconds to minutes (a 4-layer Llama, 255 values: ~20 s per budget);
-above, it rarely does (GPT-2 small, 821: not in 150 s), while the chain plans it in seconds
-(and beats every heuristic and the LP rounding there)."""
 
 
 def _starts(
     problem: Problem, budget_bytes: int | None, config: SolverConfig, size: int
 ) -> tuple[list[Plan], int | None, float]:
     """Plans to start the exact MILP from, cheapest first: every heuristic's that fits, the
-    chain solver's (blocks and a DP, :mod:`remat.solver.chain`) when the model has repeated
-    blocks and more than ``CHAIN_MIN_VALUES``, peak descents (:mod:`remat.solver.descent`)
-    from the heuristic plans just over the budget, and the LP rounding's when the LP solves within
-    its share of the time limit (on graphs of a few thousand values it does not). ``size`` is
+    chain solver's (blocks and a DP, :mod:`remat.solver.chain`; with the whole time limit,
+    before the rest has it) where the graph is too large for the flat MILP, peak descents
+    (:mod:`remat.solver.descent`) from the heuristic plans just over the budget, and the LP
+    rounding's when the LP solves within its share of the time limit (on graphs of a few
+    thousand values it does not). ``size`` is
     :func:`milp_size`. Also returns the least peak seen and the seconds left for the MILP (<= 0
     when the time limit is spent)."""
     t0 = time.perf_counter()
     fitting, over, least_peak = _heuristic_plans(problem, budget_bytes, config)
     flat = size <= config.max_milp_values
     done = bool(fitting) and fitting[0].recompute_time_s == 0
-    if budget_bytes is not None and size > CHAIN_MIN_VALUES and not done:
-        chain_config = dataclasses.replace(config, time_limit_s=config.time_limit_s * CHAIN_SHARE)
-        # No repeated blocks (ValueError), or no chain plan fits (BudgetError).
-        with contextlib.suppress(BudgetError, ValueError):
-            fitting.append(chain_solver(problem, budget_bytes=budget_bytes, config=chain_config))
-        fitting.sort(key=_by_cost)
+    if budget_bytes is not None and not done and not flat:  # no MILP: the chain is the best
+        chained = _chain_plan(problem, budget_bytes, config)
+        if chained is not None:
+            fitting = sorted([*fitting, chained], key=_by_cost)
+        t0 = time.perf_counter()
     if budget_bytes is not None and over:
         seconds = config.time_limit_s * DESCENT_SHARE
         fitting = sorted([*fitting, *_descents(problem, over, fitting, budget_bytes, seconds, config)],
@@ -156,13 +149,53 @@ def _starts(
     return fitting, least_peak, config.time_limit_s - (time.perf_counter() - t0)
 
 
+def _chain_plan(problem: Problem, budget_bytes: int, config: SolverConfig) -> Plan | None:
+    """The chain solver's plan, as ``solver="chain"`` makes it (the whole time limit: its
+    refinement uses all it has); None without repeated blocks or a chain plan that fits."""
+    try:
+        return chain_solver(problem, budget_bytes=budget_bytes, config=config)
+    except (BudgetError, ValueError):
+        return None
+
+
+def _unless_proven(
+    problem: Problem, plan: Plan, budget_bytes: int | None, config: SolverConfig
+) -> Plan:
+    """``plan``, or the chain solver's where ``plan`` is not proven optimal and the chain's
+    is cheaper, with the better lower bound of the two (a bound holds for every plan at the
+    budget). Why: every other solver's plan is a warm start of the MILP, and a proven optimum
+    is the least of any plan; the chain's local search is anytime, so it is run as alone,
+    after the MILP and only where the MILP proved nothing, and exact is never beaten."""
+    if budget_bytes is None or proven(plan) is Proof.OPTIMAL or "chain" in plan.solver:
+        return plan
+    chained = _chain_plan(problem, budget_bytes, config)
+    if chained is None or chained.recompute_time_s >= plan.recompute_time_s:
+        return plan
+    bound = _max_lower_bound([plan, chained])
+    if bound is not None:
+        bound = min(bound, chained.recompute_time_s)
+    chained = dataclasses.replace(chained, lower_bound_s=bound)
+    return dataclasses.replace(
+        chained,
+        solver=plan.solver,
+        reason=f"{chained.reason}; cheaper than the exact MILP's plan ({plan.reason})",
+        proof=proven(chained),
+    )
+
+
 def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
-    """The exact MILP, warm-started from the cheapest heuristic or LP-rounded plan that fits."""
-    fitting, _, seconds = _starts(problem, budget_bytes, config, milp_size(problem))
+    """The exact MILP, warm-started from the cheapest heuristic or LP-rounded plan that fits;
+    where it proves nothing in time, the chain solver's plan if that is cheaper
+    (:func:`_unless_proven`)."""
+    size = milp_size(problem)
+    fitting, _, seconds = _starts(problem, budget_bytes, config, size)
     left = dataclasses.replace(config, time_limit_s=max(1.0, seconds))
-    return exact(
+    found = exact(
         problem, budget_bytes=budget_bytes, config=left, start=fitting[0] if fitting else None
     )
+    if size > config.max_milp_values:  # the chain's plan was a warm start already
+        return found
+    return _unless_proven(problem, found, budget_bytes, config)
 
 
 SOLVERS: Mapping[str, SolverFn] = {
@@ -274,7 +307,9 @@ def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConf
         why = found.reason
     if bound is not None:
         bound = min(bound, found.recompute_time_s)  # solver tolerances
-    found = dataclasses.replace(found, lower_bound_s=bound)
+    found = _unless_proven(
+        problem, dataclasses.replace(found, lower_bound_s=bound), budget_bytes, config
+    )
     return _with_reason(
         found,
         f"auto:{found.solver}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def test_every_solver_states_a_proof(name: str) -> None:
     prob, budget = _budget()
     plan = solve(prob, solver=name, budget_bytes=None, config=CONFIG)
     assert isinstance(plan.proof, Proof)
-    assert plan.proof.value in plan.summary()
+    assert plan.proof_text in plan.summary()
     if plan.predicted_peak_bytes <= budget or name not in HEURISTICS:
         plan = solve(prob, solver=name, budget_bytes=budget, config=CONFIG)
         assert isinstance(plan.proof, Proof)
@@ -103,3 +104,23 @@ def test_a_plan_file_keeps_the_proof(tmp_path: Path) -> None:
     del doc["proof"]
     path.write_text(json.dumps(doc))
     assert plan_from_file(path, prob).proof is Proof.HEURISTIC
+
+
+def test_proof_text_reads_the_proof_and_the_floor() -> None:
+    """The words the demo, compare and the reports print, from the plan's data alone."""
+    prob, budget = _budget()
+    plan = solve(prob, solver="block", budget_bytes=budget)
+    cost = plan.recompute_time_s
+    assert cost > 0
+    assert plan.proof_text == "heuristic, no floor"
+    at = dataclasses.replace
+    assert at(plan, lower_bound_s=cost / 1.031).proof_text == "within 3.1% of the floor"
+    assert at(plan, lower_bound_s=cost).proof_text == "optimal"  # meets its floor
+    assert at(plan, proof=Proof.OPTIMAL).proof_text == "optimal"
+    assert at(plan, proof=Proof.TIME_LIMIT).proof_text == "time limit, no floor"
+    assert at(plan, proof=Proof.TIME_LIMIT, lower_bound_s=0.0).proof_text == (
+        "time limit, no floor"
+    )
+    assert at(plan, proof=Proof.NEIGHBOURHOOD).proof_text == (
+        "optimal in its neighbourhood, no floor"
+    )

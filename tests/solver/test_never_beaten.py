@@ -1,0 +1,47 @@
+"""``exact`` and ``auto`` are never beaten: every other solver's plan is one of their warm
+starts, so at any budget they recompute no more than any solver's plan that fits; and no
+plan's proven floor is above its cost (a floor above a proven optimum would be a bug)."""
+
+from __future__ import annotations
+
+import pytest
+
+import remat
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Proof, floor_of
+from remat.solver.registry import HEURISTICS, SOLVERS, least_peak, solve
+from tests.zoo import ZOO, Case
+
+CONFIG = SolverConfig(time_limit_s=3.0)  # time-limited plans must hold it too
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in ZOO if c.name in ("tiny_gpt", "cnn_bn")], ids=lambda c: c.name
+)
+def test_exact_and_auto_never_beaten_and_floors_below_costs(case: Case) -> None:
+    problem = remat.analyze(case.build(), case.inputs(), case.kwargs).problem
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    least = min(least_peak(problem, n, CONFIG) for n in HEURISTICS)
+    for k in (1, 2, 3):
+        budget = least + (keep_all - least) * k // 4
+        plans = {}
+        for name in [*SOLVERS, "auto"]:
+            try:
+                plans[name] = solve(problem, solver=name, budget_bytes=budget, config=CONFIG)
+            except (BudgetError, ValueError):
+                continue
+        cheapest = min(p.recompute_time_s for p in plans.values())
+        for best in ("exact", "auto"):
+            assert plans[best].recompute_time_s <= cheapest * (1 + 1e-9) + 1e-15, (
+                budget,
+                {n: p.recompute_time_s for n, p in plans.items()},
+            )
+        floor = floor_of(plans.values())
+        for name, plan in plans.items():
+            assert plan.predicted_peak_bytes <= budget, name
+            if plan.lower_bound_s is not None:
+                assert plan.lower_bound_s <= plan.recompute_time_s * (1 + 1e-9) + 1e-15, name
+            if floor is not None:
+                assert floor <= plan.recompute_time_s * (1 + 1e-9) + 1e-15, (name, floor)
+            if plan.proof is Proof.OPTIMAL:
+                assert plan.recompute_time_s <= cheapest * (1 + 1e-9) + 1e-15, name
