@@ -1,0 +1,26 @@
+"""Test-session setup shared by every test module."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist each worker has a core of its own (`./run test` starts one per core):
+    # more intra-op threads would only contend with the other worker. Results do not depend
+    # on it: every comparison (bitwise, predicted == measured) is made within one process,
+    # and the one test whose subject depends on the thread count pins it.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_terminal_size(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Output does not depend on the terminal pytest runs in: pytest-xdist's workers get
+    ``COLUMNS=80``, which the CLI honours as the user's width, and a developer's shell may
+    export any."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+    yield
