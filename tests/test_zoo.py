@@ -22,7 +22,11 @@ def test_plan_trains_bitwise_and_peak_is_predicted(case: Case, plan: str) -> Non
     assert result.plan.solver == plan
 
 
-LIMIT = 10.0  # seconds per exact MILP solve: the warm start keeps a plan if time runs out
+# Seconds per exact MILP solve (the warm start keeps a plan if time runs out). The budgets the
+# sweeps below prove optimal are the same at 5 s as at 10 s (measured: hf_gpt2 its upper two,
+# hf_llama keep-all's, cnn_bn all), so the monotonicity checks lose nothing; where the MILP
+# proves nothing, the chain solver runs after it with the same limit.
+LIMIT = 5.0
 BLOCKLESS = {"tied"}  # the others have a ModuleList or Sequential
 
 
@@ -118,9 +122,9 @@ def test_optimizing_solvers_at_three_budgets(case: Case, solver: str) -> None:
         if plan.proof is Proof.OPTIMAL:
             costs.append(plan.recompute_time_s)
     if solver == "exact":
-        # Only proven optima must be monotone: a plan found when the 10 s limit ran out may be
+        # Only proven optima must be monotone: a plan found when the limit ran out may be
         # beaten at a smaller budget by one that was proven (a CI run saw 4.54 then 4.86 us).
-        # Within 10 s the small Llama proves only its keep-all budget; the sweep property is
+        # Within 5 s the small Llama proves only its keep-all budget; the sweep property is
         # tested with every point proven in tests/solver/test_closed_form.py.
         assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"
 
