@@ -27,7 +27,7 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.graph import _BoxedCodeGen
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -46,6 +46,7 @@ __all__ = [
     "PlainAOTOutput",
     "TangentAOTInput",
     "TorchDispatchMode",
+    "RETURNS_ITS_INPUT",
     "TreeSpec",
     "activation_memory_budget",
     "allocator_events",
@@ -77,6 +78,7 @@ __all__ = [
     "sdpa_flop_count",
     "rng_states_saved",
     "storage_key",
+    "storage_tensors",
     "tree_flatten",
     "tree_leaves",
     "tree_map",
@@ -169,6 +171,37 @@ def rng_states_saved(callback: Callable[[torch.Tensor], None]) -> Iterator[None]
         yield
     finally:
         torch.get_rng_state = original
+
+
+RETURNS_ITS_INPUT: frozenset[Any] = frozenset(
+    (
+        torch.ops._c10d_functional.wait_tensor.default,
+        torch.ops._c10d_functional._wrap_tensor_autograd.default,
+    )
+)
+"""Functional-collective ops (tensor parallelism's all-reduces, all-gathers) that return
+their argument's storage when they run (the wait; the wrapper of a pending result) and a
+copy on FakeTensors."""
+
+
+def storage_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors that own storages in ``tree`` (any pytree): its tensor leaves, with each
+    tensor subclass that wraps others (a DTensor, its local shard; a functional collective's
+    pending result) replaced by the tensors it wraps, recursively. Why: a wrapper's own
+    storage is empty, and the tensors it wraps are made inside its dispatch, where no mode
+    sees them; a live-storage meter that stopped at the wrapper would miss every
+    tensor-parallel activation, and the allocator would not."""
+    out: list[torch.Tensor] = []
+    stack = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)][::-1]
+    while stack:
+        t = stack.pop()
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+            inner = (getattr(t, n) for n in reversed(names))
+            stack.extend(x for x in inner if isinstance(x, torch.Tensor))
+        else:
+            out.append(t)
+    return out
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -3,7 +3,8 @@
 :class:`LiveMemoryMeter` is a TorchDispatchMode that sees every ATen op, registers each storage
 an op creates with a weakref finalizer, and tracks the live total and its peak. Storages that
 existed before the meter started (parameters, inputs) and views of them cost nothing, exactly
-as in remat's simulator. It does not see memory a kernel allocates internally and frees before
+as in remat's simulator. A tensor subclass that wraps others (a DTensor) counts as the tensors
+it wraps (:func:`remat._torch_compat.storage_tensors`). It does not see memory a kernel allocates internally and frees before
 returning (e.g. convolution workspace); :func:`allocator_peak_bytes` measures that level.
 """
 
@@ -48,7 +49,7 @@ class LiveMemoryMeter(tc.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        self._count(output_tensors((args, kwargs)), output_tensors(out))
+        self._count(tc.storage_tensors((args, kwargs)), tc.storage_tensors(out))
         return out
 
     def _count(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:

@@ -231,10 +231,18 @@ def running_stats_frozen(module: nn.Module) -> Iterator[None]:
             tc.local_buffers(m)[name] = buffer
 
 
+COLLECTIVES = ("_c10d_functional", "c10d_functional", "c10d")
+"""Op namespaces of collectives: always kept. Recomputing one would run the collective a
+second time in the backward (another all-reduce across the tensor-parallel group, and every
+rank must then replay it in the same order); PyTorch's partitioner never recomputes them
+either."""
+
+
 class KeyPolicy:
-    """A SAC policy function: ``MUST_SAVE`` for the listed ``(op, k)`` keys. A fresh one per
-    checkpoint context, so its counters start at zero for every forward (under
-    ``torch.compile`` the policy runs once per trace as well)."""
+    """A SAC policy function: ``MUST_SAVE`` for the listed ``(op, k)`` keys and for every
+    collective (:data:`COLLECTIVES`). A fresh one per checkpoint context, so its counters
+    start at zero for every forward (under ``torch.compile`` the policy runs once per trace
+    as well)."""
 
     def __init__(self, saved: frozenset[OpKey]) -> None:
         self.saved = saved
@@ -245,7 +253,7 @@ class KeyPolicy:
     ) -> CheckpointPolicy:
         k = self.counts[op]
         self.counts[op] = k + 1
-        if (str(op), k) in self.saved:
+        if (str(op), k) in self.saved or getattr(op, "namespace", None) in COLLECTIVES:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

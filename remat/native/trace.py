@@ -213,8 +213,13 @@ class _Recorder(LiveMemoryMeter):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         before = self.live_bytes
-        out = func(*args, **kwargs)
-        in_tensors, outs = output_tensors((args, kwargs)), output_tensors(out)
+        if func in tc.RETURNS_ITS_INPUT and tc.is_fake(args[0]):
+            # The real op returns its argument's storage; the fake kernel a copy, which kept
+            # (a collective: :data:`remat.native.regions.COLLECTIVES`) would count twice.
+            out = args[0]
+        else:
+            out = func(*args, **kwargs)
+        in_tensors, outs = tc.storage_tensors((args, kwargs)), tc.storage_tensors(out)
         self._count(in_tensors, outs)
         new_bytes = self.live_bytes - before
         ins = {tc.storage_key(t) for t in in_tensors}
@@ -393,7 +398,7 @@ def _written_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
         if not declared and k not in _UNANNOTATED_WRITES.get(func, ()):
             continue
         value = args[k] if k < len(args) else kwargs.get(arg.name)
-        out.update(tc.storage_key(t) for t in output_tensors(value))
+        out.update(tc.storage_key(t) for t in tc.storage_tensors(value))
     return out
 
 

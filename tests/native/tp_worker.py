@@ -1,0 +1,130 @@
+"""One rank of the tensor-parallel check (spawned by ``test_tensor_parallel.py``).
+
+The zoo's Llama (grouped-query attention, attention dropout) is parallelized over the ranks
+as torchtitan does for Llama: q, k, v, gate and up projections column-wise, o and down
+row-wise. Once trained as is, once after ``remat.apply`` (after ``parallelize_module``, as
+torchtitan orders checkpointing after TP), from the same weights, batch and random streams.
+Every rank saves its full parameters after each step, the last step's peaks (live-storage
+meter and allocator, one run) and the collectives one step ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat.meter import measure_step, training_step
+from tests.zoo import llama
+
+STEPS = 3
+
+
+def build() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = llama(3, 128).train()
+    return model, torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(7))
+
+
+def parallelize(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {}
+    for i in range(len(model.model.layers)):  # type: ignore[union-attr, arg-type]
+        at = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[at + name] = ColwiseParallel()
+        plan[at + "mlp.gate_proj"] = ColwiseParallel()
+        plan[at + "mlp.up_proj"] = ColwiseParallel()
+        plan[at + "self_attn.o_proj"] = RowwiseParallel()
+        plan[at + "mlp.down_proj"] = RowwiseParallel()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return parallelize_module(model, mesh, plan)
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the functional collectives a step runs (a recomputed one would run twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "_c10d_functional":
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _collectives(model: nn.Module, tokens: torch.Tensor) -> int:
+    counter = _Collectives()
+    with counter:
+        training_step(model, (tokens,), {})
+    for p in model.parameters():
+        p.grad = None
+    return counter.count
+
+
+def _train(model: nn.Module, tokens: torch.Tensor, rank: int) -> dict[str, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params: list[dict[str, torch.Tensor]] = []
+    peak = alloc = 0  # of the last step
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(1000 * (rank + 1) + step)
+        measured = measure_step(model, (tokens,), seed=step, allocator=True)
+        peak, alloc = measured.peak_bytes, measured.allocator_peak_bytes
+        opt.step()
+        params.append({n: _full(p).clone() for n, p in model.named_parameters()})
+    return {"params": params, "peak": peak, "allocator": alloc}
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole parameter: a sharded one (DTensor) gathered, a replicated one (embeddings,
+    norms) as it is."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def main(rank: int, world: int, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model, tokens = build()
+        parallelize(model)
+        work = copy.deepcopy(model)
+        collectives = _collectives(model, tokens)
+        plain = _train(model, tokens, rank)
+        try:
+            remat.apply(copy.deepcopy(work), tokens, activation_budget_bytes=1)
+        except remat.BudgetError as e:
+            least = e.least_peak_bytes
+        budget = (least + plain["peak"]) // 2  # half-way between least and eager, this rank
+        remat.apply(work, tokens, activation_budget_bytes=budget)
+        plan = remat.plan_of(work)
+        torch.save(
+            {
+                "plain": plain,
+                "remat": _train(work, tokens, rank),
+                "collectives": (collectives, _collectives(work, tokens)),
+                "budget": budget,
+                "least": least,
+                "predicted": plan.predicted_peak_bytes,
+                "predicted_tensors": plan.predicted_tensor_peak_bytes,
+                "solver": plan.solver,
+            },
+            Path(out) / f"tp_{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
