@@ -8,6 +8,7 @@ torch upgrade should only ever have to touch this file. Tested against torch 2.1
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,6 +66,7 @@ __all__ = [
     "fully_shard_blocks",
     "flop_registry",
     "is_batchnorm",
+    "is_dtensor",
     "is_fake",
     "is_mutable_op",
     "local_buffers",
@@ -202,6 +204,16 @@ def storage_tensors(tree: Any) -> list[torch.Tensor]:
         else:
             out.append(t)
     return out
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (without importing torch.distributed where it
+    was never used)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def storage_key(tensor: torch.Tensor) -> int:

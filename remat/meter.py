@@ -4,8 +4,9 @@
 an op creates with a weakref finalizer, and tracks the live total and its peak. Storages that
 existed before the meter started (parameters, inputs) and views of them cost nothing, exactly
 as in remat's simulator. A tensor subclass that wraps others (a DTensor) counts as the tensors
-it wraps (:func:`remat._torch_compat.storage_tensors`). It does not see memory a kernel allocates internally and frees before
-returning (e.g. convolution workspace); :func:`allocator_peak_bytes` measures that level.
+it wraps (:func:`remat._torch_compat.storage_tensors`). It does not see memory a kernel
+allocates internally and frees before returning (e.g. convolution workspace);
+:func:`allocator_peak_bytes` measures that level.
 """
 
 from __future__ import annotations

@@ -124,6 +124,10 @@ class Region:
 
     path: str
     policy: Policy
+    tensor_parallel: bool = False
+    """Its parameters were DTensors when it was planned (the model was parallelized first)."""
+    checked: bool = False
+    """Its first forward found the parameters as they were planned."""
 
 
 _ATTR = "_remat_region"
@@ -143,7 +147,7 @@ def wrap(module: nn.Module, path: str, policy: Policy) -> Region:
             f"{path} ({type(module).__name__}) already has an instance forward (another wrapper "
             "patched it); remat wraps the module's own forward: apply remat first"
         )
-    region = Region(path, policy)
+    region = Region(path, policy, tensor_parallel=_tensor_parallel(module))
     module.__dict__[_ATTR] = region
     module.forward = functools.partial(_region_forward, region, module)  # type: ignore[method-assign]
     return region
@@ -154,7 +158,23 @@ def unwrap(module: nn.Module) -> None:
     module.__dict__.pop("forward", None)
 
 
+def _tensor_parallel(module: nn.Module) -> bool:
+    """Some parameter is a DTensor while the forward runs: tensor parallelism (FSDP2 alone
+    gathers its parameters into plain tensors before the forward)."""
+    return any(tc.is_dtensor(p) for p in module.parameters())
+
+
 def _region_forward(region: Region, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # Not while Dynamo traces: reading the flag would guard on it, and setting it recompile.
+    if not torch.compiler.is_compiling() and not region.checked:
+        if _tensor_parallel(module) and not region.tensor_parallel:
+            raise BlockError(
+                f"{region.path} was planned unsharded, and its parameters are DTensors now: "
+                "parallelize_module ran after remat.apply. Parallelize first, then call "
+                "remat.apply on the parallel model (its plan is made per rank), then "
+                "fully_shard, then compile"
+            )
+        region.checked = True
     policy = region.policy
     if policy is None:
         return type(module).forward(module, *args, **kwargs)

@@ -96,6 +96,18 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
+def _wrong_order(tokens: torch.Tensor) -> str:
+    """remat.apply before parallelize_module: the first step refuses, naming the order."""
+    model, _ = build()
+    remat.apply(model, tokens, plan="block")
+    parallelize(model)
+    try:
+        training_step(model, (tokens,), {})
+    except remat.BlockError as e:
+        return str(e)
+    return "ran"
+
+
 def main(rank: int, world: int, out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -118,6 +130,7 @@ def main(rank: int, world: int, out: str) -> None:
                 "plain": plain,
                 "remat": _train(work, tokens, rank),
                 "collectives": (collectives, _collectives(work, tokens)),
+                "wrong_order": _wrong_order(tokens),
                 "budget": budget,
                 "least": least,
                 "predicted": plan.predicted_peak_bytes,
