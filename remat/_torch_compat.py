@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,6 +63,9 @@ __all__ = [
     "inductor_recording",
     "fake_copy",
     "fake_mode_of",
+    "fake_world_of",
+    "local_tensor",
+    "tensor_parallel_fake",
     "fsdp_storage_resizes",
     "fully_shard_blocks",
     "flop_registry",
@@ -227,7 +231,8 @@ def is_fake(tensor: torch.Tensor) -> bool:
 
 def fake_mode_of(module: torch.nn.Module) -> FakeTensorMode | None:
     """The FakeTensorMode ``module``'s parameters were made under, if they are fake."""
-    for t in module.parameters():
+    for p in module.parameters():
+        t = local_tensor(p)  # a tensor-parallel weight's shard
         if isinstance(t, FakeTensor):
             return t.fake_mode
     return None
@@ -249,6 +254,8 @@ DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
 
 class FakeWorld:
     _worlds = 0
+    _of: weakref.WeakKeyDictionary[torch.nn.Module, FakeWorld] = weakref.WeakKeyDictionary()
+    """Models parallelized on a fake world (:func:`tensor_parallel_fake`) -> that world."""
 
     """A c10d "world" of its own holding one fake process group of ``world_size`` ranks.
 
@@ -309,6 +316,39 @@ class _OwnWorld:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._data, name)  # pg_map, pg_names, pg_group_ranks, ...
+
+
+def tensor_parallel_fake(
+    model: torch.nn.Module, tp_size: int, plan: Callable[[torch.nn.Module], dict[str, Any]]
+) -> FakeWorld:
+    """``parallelize_module(model, mesh, plan(model))`` over ``tp_size`` ranks of a fresh
+    fake world (rank 0's shard of every weight; collectives return at once). ``model`` is a
+    FakeTensor model (:func:`remat.fake_mode`); :func:`fake_world_of` finds the world again,
+    so its step can be traced with the mesh's process group registered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mode = fake_mode_of(model)
+    if mode is None:
+        raise ValueError("tensor_parallel_fake needs a FakeTensor model (remat.fake_mode())")
+    world = FakeWorld(tp_size)
+    device = next((t.device.type for t in model.parameters()), "cpu")
+    with world.active():
+        mesh = init_device_mesh(device, (tp_size,))
+        with mode:
+            parallelize_module(model, mesh, plan(model))
+    FakeWorld._of[model] = world
+    return world
+
+
+def fake_world_of(model: torch.nn.Module) -> FakeWorld | None:
+    """The fake world ``model`` was parallelized on (:func:`tensor_parallel_fake`), if any."""
+    return FakeWorld._of.get(model)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def fully_shard_blocks(

@@ -48,6 +48,7 @@ from remat.graph.profiles import PROFILE_NAMES, get_profile
 from remat.models import TinyGPT
 from remat.native.api import NATIVE_SOLVERS, apply, kv_cache_off, save_plan
 from remat.native.api import analyze as native_analyze
+from remat.native.parallel import tensor_parallel
 from remat.native.planner import NATIVE_PLANS
 from remat.native.planner import fixed as native_fixed
 from remat.native.planner import solve as native_solve
@@ -249,12 +250,20 @@ def plan_command(args: argparse.Namespace) -> int:
         console.print(f"[red]remat plan: {e}")
         return 2
     n = sum(p.numel() for p in built.model.parameters())
+    executor = executor_of(args)
+    tp = ""
+    if args.tp_size > 1:
+        try:
+            _tensor_parallel(built.model, args, executor)
+        except ValueError as e:
+            console.print(f"[red]remat plan: {e}")
+            return 2
+        tp = f", tensor parallel x {args.tp_size} (rank 0's shard)"
     console.print(
         f"[bold]{built.description}[/]: {n / 1e9:.2f}B parameters; {args.precision}, "
-        f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}, profile {args.device}, "
-        f"budget {args.budget_gb} GB per device"
+        f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}{tp}, profile "
+        f"{args.device}, budget {args.budget_gb} GB per device"
     )
-    executor = executor_of(args)
     console.print(f"executor: {EXECUTORS[executor]}")
     progress = console.status("planning...")
     with progress:
@@ -291,13 +300,26 @@ EXECUTORS = {
 """``--executor`` values (``auto``: :func:`executor_of`)."""
 
 
+def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor: str) -> None:
+    """``--tp-size``: the model parallelized on a fake process group as torchtitan does Llama
+    (:mod:`remat.native.parallel`); only ``remat.apply``'s executor runs tensor-parallel."""
+    if executor != "sac":
+        raise ValueError("--tp-size plans remat.apply's executor: use --executor sac")
+    if args.zero_stage == 3 and args.world_size > 1:
+        raise ValueError(
+            "--tp-size with --zero-stage 3 (TP x FSDP2) cannot be planned ahead yet; plan "
+            "the tensor-parallel step alone, or call remat.apply inside the job"
+        )
+    tensor_parallel(model, args.tp_size)
+
+
 def executor_of(args: argparse.Namespace) -> str:
     """``--executor auto``: ``sac`` where the run is sharded or replicated (ZeRO-3 over several
     ranks is FSDP2, data parallel is DDP: engines only the ``sac`` executor runs under),
     ``graph`` on one device."""
     if args.executor != "auto":
         return str(args.executor)
-    return "sac" if args.world_size > 1 else "graph"
+    return "sac" if args.world_size > 1 or getattr(args, "tp_size", 1) > 1 else "graph"
 
 
 def _request(args: argparse.Namespace, progress: Callable[[str], None]) -> Request:
@@ -705,6 +727,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _model_options(p)
     p.add_argument("--solver", default=None, help="default: auto")
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (Llama-family models; --executor sac): plans rank 0 of "
+        "the layout torchtitan uses (q/k/v/gate/up column-wise, o/down row-wise)",
+    )
     p.set_defaults(func=plan_command)
     c = sub.add_parser(
         "compare",

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from remat import _torch_compat as tc
 from remat.budget import (
     DEFAULT_RESERVE,
     GB,
@@ -229,8 +230,9 @@ def resolve_profile(model: nn.Module, device_profile: str | DeviceProfile) -> st
 
 def model_static_memory(model: nn.Module, options: Options) -> StaticMemory:
     """:func:`remat.budget.static_memory` of ``model``'s parameters as it holds them."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
+    # A tensor-parallel model's sharded weights count as this rank's shard of them.
+    trainable = [tc.local_tensor(p) for p in model.parameters() if p.requires_grad]
+    frozen = [tc.local_tensor(p) for p in model.parameters() if not p.requires_grad]
     return static_memory(
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
         frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),

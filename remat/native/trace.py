@@ -442,7 +442,9 @@ class FakeModel:
         else:
             # A model built under remat.fake_mode() keeps its mode (modes cannot mix).
             self.mode = tc.fake_mode_of(model) or tc.FakeTensorMode(allow_non_fake_inputs=False)
-            self.module = tc.fake_copy(model, self.mode)
+            tp_world = tc.fake_world_of(model)
+            with tp_world.active() if tp_world is not None else contextlib.nullcontext():
+                self.module = tc.fake_copy(model, self.mode)
         self.blocks = tuple(blocks)
         self._paths = {id(m): p for p, m in self.module.named_modules()}
         modules = dict(self.module.named_modules())
@@ -453,8 +455,18 @@ class FakeModel:
             if tc.is_batchnorm(m)
             for b in m.buffers(recurse=False)
         )
-        self.world: tc.FakeWorld | None = None
+        self.world: tc.FakeWorld | None = None if real else tc.fake_world_of(model)
+        """The fake world the step's collectives are registered in: FSDP2's (``fsdp_world``)
+        or the one a tensor-parallel plan was made on
+        (:func:`remat.native.parallel.tensor_parallel`); None for a real process group, or
+        none."""
         self._warm = False
+        if fsdp_world is not None and self.world is not None:
+            raise TraceError(
+                "planning tensor parallelism and FSDP2 together on FakeTensors is not "
+                "supported yet: plan the tensor-parallel step without zero_stage=3, or run "
+                "remat.apply inside the job on the 2-D parallel model"
+            )
         if fsdp_world is not None:
             if real:
                 raise TraceError(

@@ -6,7 +6,9 @@ on FakeTensors (collectives on fake tensors never leave the process). Per rank: 
 after each of 3 AdamW steps (attention dropout on) bitwise equal to the same parallel run
 without remat; the live-meter peak and the allocator's equal to the prediction, below the
 budget and the eager peak; and as many collectives per step as without remat (a collective
-is never recomputed). Applied before ``parallelize_module``, the first step refuses.
+is never recomputed). Applied before ``parallelize_module``, the first step refuses. And
+planned ahead, on FakeTensors over a fake process group (``remat plan --tp-size``), each
+fixed plan's live-tensor peak is the one measured on the ranks.
 
 At the allocator the measured peak is the predicted one, or (in about half the runs, on rank
 0) one all-reduced activation more: a clone that the functional all-reduce made, which
@@ -53,3 +55,5 @@ def test_tensor_parallel_bitwise_and_predicted_per_rank(tmp_path: Path, monkeypa
         assert plain_collectives > 0 and remat_collectives == plain_collectives
         assert "parallelize_module ran after remat.apply" in got["wrong_order"]
         assert "Parallelize first, then call remat.apply" in got["wrong_order"]
+        measured, ahead = got["fixed"]
+        assert ahead == measured, (rank, ahead, measured)  # planned with no process group

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.meter import measure_step, training_step
+from remat.native.parallel import tensor_parallel
 from tests.zoo import llama
 
 STEPS = 3
@@ -108,6 +109,29 @@ def _wrong_order(tokens: torch.Tensor) -> str:
     return "ran"
 
 
+def _planned_ahead(tokens: torch.Tensor) -> dict[str, int]:
+    """Per fixed plan, the live-tensor peak planned with no process group: the model built on
+    FakeTensors and parallelized over a fake one (``remat plan --tp-size``'s path)."""
+    out = {}
+    for name in ("keep_all", "block"):
+        with remat.fake_mode():
+            model, _ = build()
+        tensor_parallel(model, dist.get_world_size())
+        remat.apply(model, tokens, plan=name)
+        out[name] = remat.plan_of(model).predicted_tensor_peak_bytes
+    return out
+
+
+def _measured(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
+    """Per fixed plan, the live-tensor peak of a real step of the parallel model."""
+    out = {}
+    for name in ("keep_all", "block"):
+        work = copy.deepcopy(model)
+        remat.apply(work, tokens, plan=name)
+        out[name] = measure_step(work, (tokens,), seed=0).peak_bytes
+    return out
+
+
 def main(rank: int, world: int, out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -116,6 +140,7 @@ def main(rank: int, world: int, out: str) -> None:
         model, tokens = build()
         parallelize(model)
         work = copy.deepcopy(model)
+        fixed = _measured(model, tokens)
         collectives = _collectives(model, tokens)
         plain = _train(model, tokens, rank)
         try:
@@ -131,6 +156,7 @@ def main(rank: int, world: int, out: str) -> None:
                 "remat": _train(work, tokens, rank),
                 "collectives": (collectives, _collectives(work, tokens)),
                 "wrong_order": _wrong_order(tokens),
+                "fixed": (fixed, _planned_ahead(tokens)),
                 "budget": budget,
                 "least": least,
                 "predicted": plan.predicted_peak_bytes,

@@ -1,0 +1,56 @@
+"""Tensor-parallel plans for planning without processes.
+
+Inside a job, ``remat.apply`` takes the model the job parallelized (``parallelize_module``
+first, then ``remat.apply``, then ``fully_shard``) and needs nothing from here. To plan a
+tensor-parallel run ahead of time (``remat plan --executor sac --tp-size 8``), the model is
+built on FakeTensors and parallelized here over a fake process group, with the layout
+torchtitan gives Llama: attention q/k/v and the MLP's gate/up projections column-wise, the
+attention output and down projections row-wise, everything else replicated. The planned
+step is rank 0's; every rank of a tensor-parallel group runs the same shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from remat import _torch_compat as tc
+
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+def llama_tp_plan(model: nn.Module, tp_size: int) -> dict[str, Any]:
+    """``parallelize_module``'s plan for a Llama-family model (Llama, Mistral, Qwen2: the
+    Hugging Face projection names); a clear error for other layouts and for head counts
+    ``tp_size`` does not divide."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for path, m in model.named_modules():
+        leaf = path.rsplit(".", 1)[-1]
+        if not isinstance(m, nn.Linear):
+            continue
+        if leaf in COLWISE:
+            if m.out_features % tp_size:
+                raise ValueError(f"--tp-size {tp_size} does not divide {path}'s outputs")
+            plan[path] = ColwiseParallel()
+        elif leaf in ROWWISE:
+            plan[path] = RowwiseParallel()
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} has no Llama-style projections ({', '.join(COLWISE)}; "
+            f"{', '.join(ROWWISE)}): plan tensor parallelism inside the job instead "
+            "(parallelize_module, then remat.apply on the parallel model)"
+        )
+    return plan
+
+
+def tensor_parallel(model: nn.Module, tp_size: int) -> nn.Module:
+    """``model`` (FakeTensors) parallelized in place over ``tp_size`` fake ranks with
+    :func:`llama_tp_plan`; returns it."""
+    if tp_size < 2:
+        raise ValueError(f"tp_size must be at least 2, got {tp_size}")
+    tc.tensor_parallel_fake(model, tp_size, lambda m: llama_tp_plan(m, tp_size))
+    return model
