@@ -65,6 +65,7 @@ __all__ = [
     "fake_mode_of",
     "fake_world_of",
     "local_tensor",
+    "local_tensors",
     "tensor_parallel_fake",
     "fsdp_storage_resizes",
     "fully_shard_blocks",
@@ -253,17 +254,17 @@ DATA_DEPENDENT_ERRORS: tuple[type[Exception], ...] = (
 
 
 class FakeWorld:
-    _worlds = 0
-    _of: weakref.WeakKeyDictionary[torch.nn.Module, FakeWorld] = weakref.WeakKeyDictionary()
-    """Models parallelized on a fake world (:func:`tensor_parallel_fake`) -> that world."""
-
     """A c10d "world" of its own holding one fake process group of ``world_size`` ranks.
 
     c10d keeps its process groups in one module-level registry; a training job has its
     real default group there already. This world is swapped in only while remat traces a
-    step under FSDP2 on FakeTensors (:meth:`active`), so the job's groups are untouched and
+    step under FSDP2 or tensor parallelism on FakeTensors (:meth:`active`), so the job's groups are untouched and
     no collective leaves the process (the fake group's collectives return at once).
     """
+
+    _worlds = 0
+    _of: weakref.WeakKeyDictionary[torch.nn.Module, FakeWorld] = weakref.WeakKeyDictionary()
+    """Models parallelized on a fake world (:func:`tensor_parallel_fake`) -> that world."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
         import torch.distributed as dist
@@ -348,7 +349,13 @@ def fake_world_of(model: torch.nn.Module) -> FakeWorld | None:
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: a DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    # The attribute, not ``to_local()``: no op dispatched (this runs inside dispatch modes).
+    return tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def local_tensors(tree: Any) -> Any:
+    """``tree`` with each DTensor replaced by its local shard (what this rank computes)."""
+    return tree_map(lambda x: local_tensor(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def fully_shard_blocks(

@@ -250,7 +250,10 @@ class _Recorder(LiveMemoryMeter):
         view = bool(outs) and all(k in ins for k in out_keys)
         if in_block_forward:
             self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
-        flops, moved, dtype = op_cost(func, args, kwargs, out, (in_tensors, outs))
+        costed = (args, kwargs, out)
+        if any(tc.is_dtensor(t) for t in tc.tree_leaves(costed)):
+            costed = tc.local_tensors(costed)  # tensor parallel: FLOPs of this rank's shards
+        flops, moved, dtype = op_cost(func, *costed, (in_tensors, outs))
         time_s = self.profile.op_time(flops, moved, dtype)
         if self.host and (self.phase == "forward" or self.recompute):
             wrapped = _wrapped_number_bytes(func, args, kwargs)

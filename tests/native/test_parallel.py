@@ -66,3 +66,18 @@ def test_collectives_are_always_kept() -> None:
     all_reduce = torch.ops._c10d_functional.all_reduce.default
     assert policy(None, all_reduce).name == "MUST_SAVE"  # type: ignore[arg-type]
     assert policy(None, torch.ops.aten.mm.default).name == "PREFER_RECOMPUTE"  # type: ignore[arg-type]
+
+
+def test_each_rank_recomputes_its_shards_flops() -> None:
+    """FLOPs of the ops a DTensor runs are this rank's (matmuls and attention split by the
+    tensor-parallel degree), not the whole layer's."""
+    flops = {}
+    for tp in (1, 2):
+        with remat.fake_mode():
+            model = llama(3, 128)
+        if tp > 1:
+            tensor_parallel(model, tp)
+        tokens = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(7))
+        remat.apply(model, tokens, plan="block")
+        flops[tp] = remat.plan_of(model).recompute_flops
+    assert flops[1] > 0 and flops[2] * 2 == flops[1]
