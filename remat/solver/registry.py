@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 from remat.problem import Problem
@@ -374,4 +375,47 @@ def solve(
     plan = get_solver(solver, problem)(problem, budget_bytes=budget_bytes, config=config)
     if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
         raise BudgetError(budget_bytes, plan.predicted_peak_bytes, f"the peak of {solver}'s plan")
+    if budget_bytes is not None:
+        if solver in NEVER_BEATEN:
+            plan = _with_seen(problem, budget_bytes, plan, solver)
+        _remember(problem, budget_bytes, plan)
     return plan
+
+
+NEVER_BEATEN = ("exact", "auto")
+"""Solvers whose plan is at least as cheap as every plan any solver found for the same
+problem and budget in this process (:func:`_with_seen`)."""
+
+_SEEN: dict[int, dict[int, Plan]] = {}
+"""``id(problem)`` -> budget -> the cheapest plan :func:`solve` returned there so far."""
+
+
+def _remember(problem: Problem, budget_bytes: int, plan: Plan) -> None:
+    key = id(problem)
+    if key not in _SEEN:
+        _SEEN[key] = {}
+        weakref.finalize(problem, _SEEN.pop, key, None)
+    best = _SEEN[key].get(budget_bytes)
+    if best is None or plan.recompute_time_s < best.recompute_time_s:
+        _SEEN[key][budget_bytes] = plan
+
+
+def _with_seen(problem: Problem, budget_bytes: int, plan: Plan, solver: str) -> Plan:
+    """``plan``, or the cheapest plan another solver already found at this budget when that
+    one is cheaper. Why: the chain's local search and the LP rounding stop at deadlines, so
+    their plans depend on timing; a second run inside ``exact`` (a warm start, or the chain
+    after an unproven MILP) can come out worse than the run a user just saw. Every plan
+    :func:`solve` returned is a warm start of ``exact`` and ``auto`` this way, whatever
+    the timing."""
+    seen = _SEEN.get(id(problem), {}).get(budget_bytes)
+    if seen is None or seen.recompute_time_s >= plan.recompute_time_s:
+        return plan
+    bound = _max_lower_bound([plan, seen])
+    return dataclasses.replace(
+        seen,
+        solver=f"auto:{seen.solver}" if solver == "auto" else solver,
+        reason=f"{seen.reason}; {seen.solver}'s plan from an earlier solve, cheaper than "
+        f"{plan.solver}'s ({plan.reason})",
+        proof=proven(seen),
+        lower_bound_s=None if bound is None else min(bound, seen.recompute_time_s),
+    )

@@ -45,3 +45,25 @@ def test_exact_and_auto_never_beaten_and_floors_below_costs(case: Case) -> None:
                 assert floor <= plan.recompute_time_s * (1 + 1e-9) + 1e-15, (name, floor)
             if plan.proof is Proof.OPTIMAL:
                 assert plan.recompute_time_s <= cheapest * (1 + 1e-9) + 1e-15, name
+
+
+def test_a_cheaper_plan_seen_earlier_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deadline-bound solvers (the chain's local search, the LP rounding) can come out
+    worse inside ``exact`` than in the run a user just saw: every plan ``solve`` returned
+    at a budget is a start of ``exact`` and ``auto`` however the timing goes."""
+    from remat.solver import registry
+
+    case = next(c for c in ZOO if c.name == "tiny_gpt")
+    problem = remat.analyze(case.build(), case.inputs(), case.kwargs).problem
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    least = min(least_peak(problem, n, CONFIG) for n in HEURISTICS)
+    budget = (least + keep_all) // 2
+    worse = solve(problem, solver="block", budget_bytes=budget, config=CONFIG)
+    better = solve(problem, solver="chain", budget_bytes=budget, config=CONFIG)
+    assert better.recompute_time_s < worse.recompute_time_s
+    for name in ("exact", "auto"):  # as if the MILP and its starts had found only `worse`
+        monkeypatch.setitem(registry.SOLVER_TABLE, ("graph", name), lambda *a, **k: worse)
+        plan = solve(problem, solver=name, budget_bytes=budget, config=CONFIG)
+        assert plan.recompute_time_s == better.recompute_time_s
+        assert plan.solver == ("exact" if name == "exact" else "auto:chain")
+        assert "from an earlier solve" in plan.reason
