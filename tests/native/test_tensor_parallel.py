@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.native import tp_worker
-from tests.native.test_distributed import _free_port
+from tests.native.test_distributed import _free_port, assert_trained_alike
 
 WORLD = 2
 
@@ -40,11 +40,7 @@ def test_tensor_parallel_bitwise_and_predicted_per_rank(tmp_path: Path, monkeypa
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"tp_{rank}.pt")
         assert got["solver"] == "native:auto"
-        for step, (a, b) in enumerate(
-            zip(got["plain"]["params"], got["remat"]["params"], strict=True)
-        ):
-            for name in a:
-                assert torch.equal(a[name], b[name]), f"rank {rank} step {step}: {name}"
+        assert_trained_alike(got, rank)
         ours = got["remat"]
         assert got["least"] < ours["peak"] <= got["budget"] < got["plain"]["peak"], got
         assert ours["peak"] == got["predicted_tensors"], (rank, ours["peak"])

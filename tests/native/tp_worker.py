@@ -23,9 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat.meter import measure_step, training_step
 from remat.native.parallel import tensor_parallel
+from tests.native.dist_worker import _train  # the same 3 AdamW steps, measured
 from tests.zoo import llama
-
-STEPS = 3
 
 
 def build() -> tuple[nn.Module, torch.Tensor]:
@@ -75,26 +74,6 @@ def _collectives(model: nn.Module, tokens: torch.Tensor) -> int:
     for p in model.parameters():
         p.grad = None
     return counter.count
-
-
-def _train(model: nn.Module, tokens: torch.Tensor, rank: int) -> dict[str, Any]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    params: list[dict[str, torch.Tensor]] = []
-    peak = alloc = 0  # of the last step
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(1000 * (rank + 1) + step)
-        measured = measure_step(model, (tokens,), seed=step, allocator=True)
-        peak, alloc = measured.peak_bytes, measured.allocator_peak_bytes
-        opt.step()
-        params.append({n: _full(p).clone() for n, p in model.named_parameters()})
-    return {"params": params, "peak": peak, "allocator": alloc}
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    """The whole parameter: a sharded one (DTensor) gathered, a replicated one (embeddings,
-    norms) as it is."""
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
 def _wrong_order(tokens: torch.Tensor) -> str:
