@@ -17,6 +17,7 @@ from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
 from remat.native.api import apply, save_plan, unapply
+from remat.native.pipelining import Pipeline, PipelineError
 from remat.native.regions import BlockError
 from remat.native.state import plan_of
 from remat.native.trace import TraceError
@@ -37,6 +38,8 @@ __all__ = [
     "DeviceProfile",
     "LiveMemoryMeter",
     "MemoryFormula",
+    "Pipeline",
+    "PipelineError",
     "Plan",
     "PlanFileError",
     "Problem",

@@ -78,6 +78,10 @@ __all__ = [
     "local_parameters",
     "min_cut_backend",
     "no_dispatch_modes",
+    "p2p_works_hold_tensors",
+    "pipeline_schedule_class",
+    "skip_p2p_warmup",
+    "static_pipeline_stage",
     "non_persistent_buffer_names",
     "op_arguments",
     "op_schema",
@@ -558,3 +562,85 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
 def child_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     """``module``'s direct children by name, the live mapping itself."""
     return module._modules
+
+
+def pipeline_schedule_class(name: str) -> type[Any]:
+    """``torch.distributed.pipelining``'s schedule class of that name (``"1F1B"``,
+    ``"GPipe"``, ...; case-insensitive, as PyTorch's own lookup)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    return get_schedule_class(name)  # type: ignore[no-any-return]
+
+
+def static_pipeline_stage(
+    module: torch.nn.Module,
+    stage_index: int,
+    n_stages: int,
+    device: torch.device,
+    inputs: tuple[torch.Tensor, ...],
+    outputs: tuple[torch.Tensor, ...],
+) -> Any:
+    """A ``PipelineStage`` told every shape it sends and receives (one microbatch's inputs
+    and outputs, and their gradients), so it never exchanges metadata with its neighbours:
+    on a fake process group, whose object collectives do not work, that is how a stage runs
+    at all. Integer inputs (token ids) have no gradient."""
+    from torch.distributed.pipelining import PipelineStage
+
+    last = stage_index == n_stages - 1
+    return PipelineStage(
+        module,
+        stage_index,
+        n_stages,
+        device,
+        input_args=inputs,
+        output_args=outputs,
+        output_grads=tuple(None if last else t for t in outputs),
+        input_grads=tuple(
+            None if stage_index == 0 or not t.is_floating_point() else t for t in inputs
+        ),
+    )
+
+
+def skip_p2p_warmup(schedule: Any) -> None:
+    """``schedule``'s stages run in static mode without the warm-up vote its first step
+    takes with the neighbouring ranks (a fake process group has none to vote): every shape
+    is known already (:func:`static_pipeline_stage`)."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warmup(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = warmup
+
+
+class _HoldingWork:
+    """A p2p ``Work`` that holds its tensors while it lives, as gloo's and NCCL's do (the
+    fake group's lets go of them at once): a schedule that keeps a finished send's work in a
+    variable (1F1B keeps the last one) keeps the sent activation alive until then."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self.work = work
+        self.tensors = tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def p2p_works_hold_tensors() -> Iterator[None]:
+    """While active, the pipeline schedules' p2p works hold their tensors
+    (:class:`_HoldingWork`)."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(ops: list[Any], desc: str | None = None) -> list[Any]:
+        tensors = [op.tensor for op in ops]
+        return [_HoldingWork(w, tensors) for w in original(ops, desc=desc)]
+
+    schedules._batch_p2p = batch_p2p  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original

@@ -83,6 +83,15 @@ def allocator_peak_bytes(step: Callable[[], Any]) -> int:
     return _peak_of(prof)
 
 
+def peaks_of(step: Callable[[], Any]) -> tuple[int, int]:
+    """The live-storage meter's and the allocator's peaks (:func:`allocator_peak_bytes`)
+    during ``step()``, measured in the same run: for steps other than
+    :func:`training_step`'s (a pipeline schedule's ``step()``)."""
+    with allocator_profile() as prof, LiveMemoryMeter() as meter:
+        step()
+    return meter.peak_bytes, _peak_of(prof)
+
+
 @contextlib.contextmanager
 def allocator_profile() -> Iterator[torch.profiler.profile]:
     """``torch.profiler.profile`` recording allocations, without the lines Kineto writes to

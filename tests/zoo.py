@@ -213,3 +213,51 @@ def tiny_llama_factory() -> tuple[nn.Module, tuple[Any, ...]]:
     """``remat fit tests.zoo:tiny_llama_factory``: a 3-layer GQA Llama and a batch of tokens."""
     torch.manual_seed(0)
     return llama(3, 128), (torch.randint(0, 128, (2, 32)),)
+
+
+class GPTStage(nn.Module):
+    """One stage of a GPT decoder split for ``torch.distributed.pipelining`` (TinyGPT's
+    blocks, dropout on): the first embeds the token ids, the last ends with the final norm
+    and the head; each runs its ``layers`` blocks."""
+
+    def __init__(
+        self, stage: int, n_stages: int, layers: int = 2, *, vocab: int = 128, dim: int = 64
+    ) -> None:
+        super().__init__()
+        from remat.models import Block
+
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        torch.manual_seed(stage)
+        if self.first:
+            self.tok = nn.Embedding(vocab, dim)
+            self.pos = nn.Embedding(PIPELINE_SEQ, dim)
+        self.blocks = nn.ModuleList(Block(dim, 4, 0.1) for _ in range(layers))
+        if self.last:
+            self.ln_f = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+PIPELINE_SEQ = 32
+
+
+def pipeline_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss: next-token cross-entropy over the microbatch."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def stage_inputs(
+    stage: int, microbatch: int = 2, *, vocab: int = 128, dim: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One microbatch's input of ``stage`` (token ids, or the activations it receives) and
+    its target (token ids)."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, vocab, (microbatch, PIPELINE_SEQ), generator=g)
+    x = tokens if stage == 0 else torch.randn(microbatch, PIPELINE_SEQ, dim, generator=g)
+    return x, torch.randint(0, vocab, (microbatch, PIPELINE_SEQ), generator=g)

@@ -28,6 +28,7 @@ from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
+from remat.native.pipelining import Pipeline
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
 from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
@@ -66,6 +67,8 @@ def apply(
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     request: Request | None = None,
+    pipeline: Pipeline | None = None,
+    target: Any = None,
     **flat: Unpack[RequestArgs],
 ) -> nn.Module:
     """Plan a selective-checkpoint policy per block of ``model`` and wrap the blocks **in
@@ -117,11 +120,20 @@ def apply(
     and its peak traced at ``max_seq`` (the example inputs tiled to that length), the longest
     and so the highest-peaked of them.
 
+    ``pipeline``: ``model`` is one stage of a ``torch.distributed.pipelining`` pipeline
+    (:class:`remat.native.pipelining.Pipeline`: the schedule, this stage's index, the number
+    of stages and of microbatches). ``example_inputs`` are then one microbatch's inputs of
+    this stage (for a later stage, the activations it receives), and ``target`` one
+    microbatch's target (last stage). The budget is this stage's, and the peak planned is
+    that of a whole ``schedule.step()``: every microbatch in flight at each action of the
+    schedule, as it runs (traced through PyTorch's own schedule on a fake process group).
+
     Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
     refused after them), and only once (:func:`unapply` first to re-plan).
     """
     req = request_of(request, flat)
     _check_request(req)
+    _check_pipeline(req, pipeline, target)
     _check_unwrapped(model)
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     if req.max_seq is not None:
@@ -136,8 +148,25 @@ def apply(
     try:
         with device_errors(device):
             problem, solution = _plan(
-                model, blocks, args, kwargs, req, req.step_budget(device), profile
+                model,
+                blocks,
+                args,
+                kwargs,
+                req,
+                req.step_budget(device),
+                profile,
+                Stage(pipeline, target) if pipeline is not None else None,
             )
+    except BudgetError as e:
+        _restore_kv_cache(model, use_cache)
+        if pipeline is None:
+            raise
+        raise BudgetError(
+            e.budget_bytes,
+            e.least_peak_bytes,
+            f"pipeline {pipeline.describe()}: its least peak over a schedule step",
+            achievable=e.achievable,
+        ) from e
     except BaseException:
         _restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
         raise
@@ -165,8 +194,40 @@ def apply(
         problem.baseline.peak_bytes,
         tuple(planner.costs(solution.trace).time_s),
         solution.trace.scratch,
+        solution.trace.schedule,
     )
     return model
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage's place (:class:`Pipeline`) and one microbatch's target."""
+
+    pipeline: Pipeline
+    target: Any = None
+
+
+def _check_pipeline(req: Request, pipeline: Pipeline | None, target: Any) -> None:
+    if pipeline is None:
+        if target is not None:
+            raise ValueError("target is for a pipeline stage's loss: pass pipeline= too")
+        return
+    options = req.training
+    if options.zero_stage == 3 and options.world_size > 1:
+        raise ValueError(
+            "a pipeline stage is planned without FSDP2 (zero_stage=3) for now: plan the stage alone"
+        )
+    if AUTOCAST.get(req.training.precision) is not None:
+        raise ValueError(
+            f"a pipeline stage is planned without autocast for now, not {req.training.precision}"
+        )
+    if pipeline.last and target is None:
+        raise ValueError(
+            f"stage {pipeline.stage} is the last: pass one microbatch's target "
+            "(remat.apply(..., target=...)) for its loss"
+        )
+    if not pipeline.last and target is not None:
+        raise ValueError(f"only the last stage takes a target, not stage {pipeline.stage}")
 
 
 def _check_request(req: Request) -> None:
@@ -221,6 +282,7 @@ def analyze(
     profile: DeviceProfile,
     *,
     fsdp_units: tuple[str, ...] | None = None,
+    stage: Stage | None = None,
 ) -> tuple[Traced, planner.NativeProblem]:
     """The step with every region (``blocks``) eager, traced on a FakeTensor copy of
     ``model`` (sharded with FSDP2 for ``zero_stage=3`` over several ranks: ``fsdp_units``, by
@@ -233,7 +295,14 @@ def analyze(
 
     def traced_on(real: bool) -> tuple[FakeModel, planner.NativeProblem]:
         fake = FakeModel(
-            model, blocks, real=real, fsdp_world=fsdp, fsdp_param_dtype=mp, fsdp_units=fsdp_units
+            model,
+            blocks,
+            real=real,
+            fsdp_world=fsdp,
+            fsdp_param_dtype=mp,
+            fsdp_units=fsdp_units,
+            pipeline=stage.pipeline if stage is not None else None,
+            target=stage.target if stage is not None else None,
         )
         problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
         if fake.in_call_order(problem.baseline) != tuple(range(len(blocks))):
@@ -243,7 +312,7 @@ def analyze(
     try:
         fake, problem = traced_on(real=False)
     except TraceError as e:
-        if not _real_fallback(model):
+        if stage is not None or not _real_fallback(model):
             raise
         if req.progress:
             req.progress(f"tracing on a real copy of the model: {e}")
@@ -263,6 +332,7 @@ def _plan(
     req: Request,
     step_budget: int | None,
     profile: DeviceProfile,
+    stage: Stage | None = None,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every region eager, then solve (or load, or fix) the policies.
     A solver plans on the blocks and the modules outside them
@@ -273,7 +343,9 @@ def _plan(
     plan = req.plan
 
     def on(regions_: tuple[str, ...]) -> Analyzed:
-        traced, problem = analyze(model, regions_, args, kwargs, req, profile, fsdp_units=blocks)
+        traced, problem = analyze(
+            model, regions_, args, kwargs, req, profile, fsdp_units=blocks, stage=stage
+        )
         return problem, lambda policies: traced.trace(args, kwargs, policies)
 
     if req.is_plan_file():

@@ -469,7 +469,6 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
         TimelineStep(e.phase, name, e.allocated_bytes, e.tensor_bytes, e.recompute)
         for e, name in zip(trace.events, names, strict=True)
     )
-    peak = trace.peak_event
     fwd = [k for k, e in enumerate(trace.events) if e.phase == "forward"]
     bwd = [k for k, e in enumerate(trace.events) if e.phase != "forward"]
     held = sum(end - start for start, end in trace.forward_live)
@@ -477,7 +476,7 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
         timeline=timeline,
         peak_bytes=trace.peak_bytes,
         tensor_peak_bytes=trace.tensor_peak_bytes,
-        peak_step=f"{trace.events[peak].phase}:{names[peak]}",
+        peak_step=_peak_step(trace, names),
         saved_bytes=held,
         recompute_flops=trace.recompute_flops,
         recompute_time_s=trace.recompute_time_s,
@@ -500,6 +499,15 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
         schedule=schedule,
         simulation=simulation,
     )
+
+
+def _peak_step(trace: StepTrace, names: Sequence[str]) -> str:
+    """Where the step peaks: an op; for a pipeline stage, the schedule's action."""
+    if trace.schedule is not None:
+        top = max(trace.schedule.actions, key=lambda a: a.peak_bytes)
+        return f"pipeline action {top.kind}{top.microbatch}, {top.in_flight} in flight before"
+    peak = trace.peak_event
+    return f"{trace.events[peak].phase}:{names[peak]}"
 
 
 def fingerprint(problem: NativeProblem) -> str:

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from remat.memory_table import memory_table
+from remat.native.pipelining import ScheduleTrace
 from remat.native.state import Applied
 
 
@@ -33,6 +34,8 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
         keeps = "everything autograd saves" if policy is None else f"{len(policy)} op outputs"
         blocks.add_row(path, option, keeps, f"{t * 1e3:.3f}")
     console.print(blocks)
+    if state.schedule is not None:
+        console.print(_schedule_table(state.schedule))
     sim = plan.simulation
     share = sim.recompute_time_s / sim.step_time_s if sim.step_time_s else 0.0
     console.print(
@@ -41,3 +44,19 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
         f"regions: eager. {plan.reason}"
     )
     return buf.getvalue()
+
+
+def _schedule_table(schedule: ScheduleTrace) -> Table:
+    """A pipeline stage's actions as its ``schedule.step()`` ran them under the plan."""
+    table = Table(
+        title=f"pipeline: {schedule.pipeline.describe()}, at most {schedule.max_in_flight} "
+        "microbatches in flight",
+        title_justify="left",
+    )
+    for col in ("action", "in flight before", "live tensors at its peak"):
+        table.add_column(col, justify="left" if col == "action" else "right")
+    top = max(a.peak_bytes for a in schedule.actions)
+    for a in schedule.actions:
+        mark = "  <- peak" if a.peak_bytes == top else ""
+        table.add_row(f"{a.kind}{a.microbatch}", str(a.in_flight), f"{a.peak_bytes:,} B{mark}")
+    return table

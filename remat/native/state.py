@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from remat.native.pipelining import ScheduleTrace
 from remat.native.regions import Policy
 from remat.solver.plan import Plan
 
@@ -42,6 +43,8 @@ class Applied:
     """Per block, the estimated time of what its backward recomputes."""
     scratch: str = ""
     """Where the allocator-only bytes (kernel scratch, RNG states) were measured, or why not."""
+    schedule: ScheduleTrace | None = None
+    """For a pipeline stage, its traced ``schedule.step()`` under the plan."""
 
 
 def applied(model: nn.Module) -> Applied:

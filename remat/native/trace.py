@@ -23,7 +23,7 @@ import copy
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from remat.graph.scratch import Call, call_of, device_of, measure_scratch, where
 from remat.meter import LiveMemoryMeter, output_tensors, training_step
 from remat.native import regions
 from remat.native.hf import real_packing_check
+from remat.native.pipelining import Action, Pipeline, ScheduleTrace
 from remat.native.regions import OpKey, Policy, Region
 
 
@@ -116,6 +117,10 @@ class StepTrace:
     """The allocator's bytes at the moments something no dispatch sees was allocated
     between ops (RNG states, FSDP2's resized parameters): a peak candidate besides the
     events."""
+    schedule: ScheduleTrace | None = None
+    """For a pipeline stage, its whole ``schedule.step()`` under the same policies, whose
+    peaks ``peak_bytes`` and ``tensor_peak_bytes`` then are; the events stay one
+    microbatch's (what the policies and the costs are read from)."""
 
     @property
     def peak_event(self) -> int:
@@ -421,7 +426,10 @@ class FakeModel:
     precision (:func:`remat._torch_compat.fully_shard_blocks`): parameters gathered in that
     dtype, gradients reduced in fp32. ``fsdp_units``: the modules sharded, where they are not
     the regions (regions finer than the blocks, :func:`remat.native.regions.split_blocks`,
-    run inside the blocks FSDP2 shards).
+    run inside the blocks FSDP2 shards). ``pipeline``: the model is that stage of a pipeline
+    (:mod:`remat.native.pipelining`); each trace also steps it through the schedule, as its
+    rank on a fake process group of ``n_stages`` ranks, and its peak is that step's.
+    ``target``: one microbatch's, for the last stage's loss.
 
     The regions are traced in the order their forwards first run (:meth:`in_call_order`)."""
 
@@ -434,6 +442,8 @@ class FakeModel:
         fsdp_world: int | None = None,
         fsdp_param_dtype: torch.dtype | None = None,
         fsdp_units: Sequence[str] | None = None,
+        pipeline: Pipeline | None = None,
+        target: Any = None,
     ) -> None:
         self.real = real
         self.source_device = device_of(model)
@@ -470,6 +480,18 @@ class FakeModel:
                 "supported yet: plan the tensor-parallel step without zero_stage=3, or run "
                 "remat.apply inside the job on the 2-D parallel model"
             )
+        self.pipeline = pipeline
+        self.target = target
+        if pipeline is not None:
+            if real or fsdp_world is not None or self.world is not None:
+                raise TraceError(
+                    "a pipeline stage is planned on FakeTensors and on its own: not with "
+                    "zero_stage=3 or tensor parallelism yet, and not for a model whose step "
+                    "cannot run on FakeTensors"
+                )
+            self.world = tc.FakeWorld(pipeline.n_stages, rank=pipeline.stage)
+            with self.mode:
+                self.target = tc.tree_map(self._fake, target)
         if fsdp_world is not None:
             if real:
                 raise TraceError(
@@ -513,34 +535,17 @@ class FakeModel:
         for p in self.module.parameters():
             p.grad = None
         fake_args, fake_kwargs = tc.tree_map(self._fake, (args, dict(kwargs)))
-        if self.world is not None and not self._warm:
+        if self.pipeline is not None:
+            fake_args = self._stage_inputs(fake_args, fake_kwargs, autocast)
+        if self.world is not None and not self._warm and self.pipeline is None:
             self._warm_up(fake_args, fake_kwargs, autocast, policy_of(profile.name))
         with contextlib.ExitStack() as stack:
-            for k, (m, policy) in enumerate(zip(self._blocks, policies, strict=True)):
-                regions.wrap(m, self.blocks[k], policy)
-                stack.callback(regions.unwrap, m)
-                stack.enter_context(_labels(m, k, self.blocks[k], recorder))
-            regions._observers.append(recorder.region)
-            stack.callback(regions._observers.pop)
-            regions._made_outside.append(recorder.made_outside)
-            stack.callback(regions._made_outside.pop)
-            if self.world is not None:
-                stack.enter_context(self.world.active())
-                stack.enter_context(tc.fsdp_storage_resizes(recorder.resized))
-            stack.enter_context(_module_stack(self._paths, recorder.modules))
-            if not self.real:
-                stack.enter_context(real_packing_check(kwargs))
-            stack.enter_context(self.mode)
-            stack.enter_context(recorder)
+            self._recording(stack, recorder, policies, kwargs)
 
             def backward_starts(outputs: Sequence[torch.Tensor]) -> None:
                 recorder.phase, recorder.block = "backward", -1
                 recorder.outputs = tuple(recorder.storage_names(outputs))
 
-            stack.enter_context(torch.random.fork_rng(devices=[]))
-            if recorder.host:  # CPU RNG states are host memory: device memory only on the CPU
-                # After fork_rng, whose own saved state the real step does not have.
-                stack.enter_context(tc.rng_states_saved(recorder.made_outside))
             try:
                 training_step(
                     self.module,
@@ -563,7 +568,7 @@ class FakeModel:
             raise TraceError(f"regions never called in the forward: {missing[:3]}")
         live = tuple(recorder.fwd_live[k] for k in range(len(self.blocks)))
         peak = recorder.allocator_peak()
-        return StepTrace(
+        step = StepTrace(
             recorder.events(),
             peak,
             self.blocks,
@@ -576,6 +581,130 @@ class FakeModel:
             scratch=where or "not measured (FakeTensors, or another device): counts 0",
             unseen_peak_bytes=recorder.unseen_peak,
         )
+        if self.pipeline is None:
+            return step
+        schedule = self._trace_schedule(fake_args, policies, profile)
+        return replace(
+            step,
+            peak_bytes=schedule.peak_bytes,
+            tensor_peak_bytes=schedule.tensor_peak_bytes,
+            schedule=schedule,
+        )
+
+    def _recording(
+        self,
+        stack: contextlib.ExitStack,
+        recorder: _Recorder,
+        policies: Sequence[Policy],
+        kwargs: Mapping[str, Any],
+    ) -> None:
+        """Enter, on ``stack``, what a recorded step runs under: ``policies[k]`` on block
+        ``k``, the labels and observers that tell the recorder where each op runs, the fake
+        world, the FakeTensor mode and the recorder, and a forked random stream."""
+        for k, (m, policy) in enumerate(zip(self._blocks, policies, strict=True)):
+            regions.wrap(m, self.blocks[k], policy)
+            stack.callback(regions.unwrap, m)
+            stack.enter_context(_labels(m, k, self.blocks[k], recorder))
+        regions._observers.append(recorder.region)
+        stack.callback(regions._observers.pop)
+        regions._made_outside.append(recorder.made_outside)
+        stack.callback(regions._made_outside.pop)
+        if self.world is not None:
+            stack.enter_context(self.world.active())
+            stack.enter_context(tc.fsdp_storage_resizes(recorder.resized))
+        stack.enter_context(_module_stack(self._paths, recorder.modules))
+        if not self.real:
+            stack.enter_context(real_packing_check(kwargs))
+        stack.enter_context(self.mode)
+        stack.enter_context(recorder)
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        if recorder.host:  # CPU RNG states are host memory: device memory only on the CPU
+            # After fork_rng, whose own saved state the real step does not have.
+            stack.enter_context(tc.rng_states_saved(recorder.made_outside))
+
+    def _stage_inputs(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], autocast: torch.dtype | None
+    ) -> tuple[Any, ...]:
+        """A stage's inputs as it receives them: a later stage's float activations require
+        their gradient (the stage sends it back)."""
+        if kwargs or autocast is not None:
+            raise TraceError(
+                "a pipeline stage is planned with positional tensor inputs and without "
+                "autocast (keyword inputs and autocast are not supported yet)"
+            )
+        assert self.pipeline is not None
+        if self.pipeline.first:
+            return args
+        with self.mode:
+            return tuple(a.detach().requires_grad_() if a.is_floating_point() else a for a in args)
+
+    def _trace_schedule(
+        self, args: tuple[Any, ...], policies: Sequence[Policy], profile: DeviceProfile
+    ) -> ScheduleTrace:
+        """One ``schedule.step()`` of the stage under ``policies``, recorded (the module
+        docstring of :mod:`remat.native.pipelining`): a fresh ``PipelineStage`` each time,
+        so its receive buffers, allocated by a stage's first step, count."""
+        pipe, world = self.pipeline, self.world
+        assert pipe is not None and world is not None
+        where = where_measured_on(self.source_device, profile.name)
+        host = self.source_device is not None and self.source_device.type == "cpu"
+        recorder = _Recorder(
+            profile, self.blocks, self._running_stats, allocator=bool(where), host=host
+        )
+        n = pipe.microbatches
+        with world.active(), self.mode, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            inputs = tuple(a.detach() for a in args)
+            outputs = tuple(t.detach() for t in output_tensors(self.module(*inputs)))
+            batch = tuple(torch.cat([a] * n) for a in inputs)  # as the user's, made before
+            target = None if self.target is None else torch.cat([self.target] * n)
+            stage = tc.static_pipeline_stage(
+                self.module, pipe.stage, pipe.n_stages, inputs[0].device, inputs, outputs
+            )
+            # Every rank passes a loss function: without one a schedule runs no backward.
+            schedule = tc.pipeline_schedule_class(pipe.schedule)(
+                stage, n_microbatches=n, loss_fn=pipe.loss_fn or _no_loss
+            )
+        tc.skip_p2p_warmup(schedule)
+        actions: list[Action] = []
+        overall = [0]
+
+        def recorded(kind: str, run: Any) -> Any:
+            def action(mb: int, *a: Any, **k: Any) -> Any:
+                recorder.phase, recorder.block = ("forward" if kind == "F" else "backward"), -1
+                if kind == "F":
+                    recorder.fwd_live.clear()  # each microbatch runs every region once
+                overall[0] = max(overall[0], recorder.peak_bytes)
+                recorder.peak_bytes = recorder.live_bytes
+                before = sum(x.kind == "F" for x in actions) - sum(x.kind == "B" for x in actions)
+                try:
+                    return run(mb, *a, **k)
+                finally:
+                    actions.append(Action(kind, mb, before, recorder.peak_bytes))
+                    recorder.peak_bytes = max(overall[0], recorder.peak_bytes)
+
+            return action
+
+        stage.forward_one_chunk = recorded("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = recorded("B", stage.backward_one_chunk)
+        with contextlib.ExitStack() as stack:
+            self._recording(stack, recorder, policies, {})
+            stack.enter_context(tc.p2p_works_hold_tensors())
+            try:
+                if pipe.first:
+                    schedule.step(*batch)
+                elif pipe.last:
+                    schedule.step(target=target, losses=[])
+                else:
+                    schedule.step()
+            except TraceError:
+                raise
+            except Exception as e:
+                raise _explain(e, recorder, self.real) from e
+            finally:
+                for p in self.module.parameters():
+                    p.grad = None
+        peak = recorder.allocator_peak()
+        return ScheduleTrace(pipe, tuple(actions), peak, recorder.peak_bytes)
 
     def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None, policy: str) -> None:
         """One unrecorded step: FSDP2 initialises lazily in its first forward (its unsharded
@@ -604,6 +733,10 @@ class FakeModel:
             with self.mode:
                 return torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return x
+
+
+def _no_loss(output: Any, target: Any) -> Any:
+    raise AssertionError("only the last stage computes the loss")
 
 
 @contextlib.contextmanager
