@@ -2,9 +2,10 @@
 
 Planned per stage, the peak of a whole ``schedule.step()`` (every microbatch in flight):
 traced through PyTorch's own schedule on a fake process group, in one process. Checked
-against 2 gloo processes, one stage each, under 1F1B and GPipe: parameters after 3 AdamW
-steps (dropout on) bitwise those of the same pipeline without remat; the first step's
-live-storage peak equal to the prediction, and the allocator's within max(1%, 64 KiB).
+against 2 gloo processes, one stage each, under 1F1B (``auto`` under a budget) and GPipe
+(every block recomputed): parameters after 3 AdamW steps (dropout on) bitwise those of the
+same pipeline without remat; the first step's live-storage peak equal to the prediction,
+and the allocator's within max(1%, 64 KiB) and below the budget.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_each_stage_bitwise_and_predicted(tmp_path: Path, monkeypatch) -> None: 
             (tensors, allocator), *later = got["remat"]["peaks"]
             assert tensors == got["predicted_tensors"], (what, tensors, got["predicted_tensors"])
             assert_peak_close(got["predicted"], allocator, f"{what}, allocator")
-            assert allocator <= got["budget"] < got["eager"], (what, allocator, got["budget"])
+            assert allocator <= got["budget"] <= got["eager"], (what, allocator, got["budget"])
             assert all(t <= tensors for t, _ in later), (what, later)
             plain_tensors = got["plain"]["peaks"][0][0]
             assert tensors < plain_tensors, (what, tensors, plain_tensors)
@@ -47,7 +48,7 @@ def test_each_stage_bitwise_and_predicted(tmp_path: Path, monkeypatch) -> None: 
 
 def _plan_stage(stage: int, n_stages: int, schedule: str, budget: int | None) -> Applied:
     x, target = stage_inputs(stage)
-    pipe = remat.Pipeline(schedule, stage, n_stages, 8, loss_fn=pipeline_loss)
+    pipe = remat.Pipeline(schedule, stage, n_stages, 4, loss_fn=pipeline_loss)
     model = GPTStage(stage, n_stages, layers=1)
     remat.apply(
         model,
@@ -62,7 +63,7 @@ def _plan_stage(stage: int, n_stages: int, schedule: str, budget: int | None) ->
 
 
 def test_stages_of_1f1b_hold_p_minus_i_microbatches_and_the_first_recomputes_most() -> None:
-    """4 stages, 8 microbatches, in one process: stage i holds P - i microbatches at once
+    """4 stages, 4 microbatches, in one process: stage i holds P - i microbatches at once
     (as measured on 4 gloo ranks, DESIGN.md), and under one budget the stages that hold more
     recompute more."""
     eager = [_plan_stage(i, 4, "1F1B", None) for i in range(4)]
@@ -79,8 +80,8 @@ def test_stages_of_1f1b_hold_p_minus_i_microbatches_and_the_first_recomputes_mos
 def test_gpipe_holds_every_microbatch_on_every_stage() -> None:
     for stage in (0, 3):
         state = _plan_stage(stage, 4, "GPipe", None)
-        assert state.schedule is not None and state.schedule.max_in_flight == 8
-        assert state.schedule.order.split()[:9] == [f"F{m}" for m in range(8)] + ["B0"]
+        assert state.schedule is not None and state.schedule.max_in_flight == 4
+        assert state.schedule.order.split()[:5] == [f"F{m}" for m in range(4)] + ["B0"]
 
 
 def test_split_backward_schedules_are_refused_naming_those_that_run() -> None:
@@ -99,11 +100,11 @@ def test_split_backward_schedules_are_refused_naming_those_that_run() -> None:
 
 def test_a_budget_below_the_stage_least_peak_names_the_stage() -> None:
     x, target = stage_inputs(1)
-    pipe = remat.Pipeline("1F1B", 1, 2, 4, loss_fn=pipeline_loss)
+    pipe = remat.Pipeline("1F1B", 1, 2, 2, loss_fn=pipeline_loss)
     model = GPTStage(1, 2, layers=1)
     with pytest.raises(ValueError, match="pass one microbatch's target"):
         remat.apply(model, x, pipeline=pipe)
-    with pytest.raises(remat.BudgetError, match=r"stage 1 of 2, 1F1B, 4 microbatches"):
+    with pytest.raises(remat.BudgetError, match=r"stage 1 of 2, 1F1B, 2 microbatches"):
         remat.apply(
             model,
             x,
