@@ -440,6 +440,26 @@ def regions_table() -> str:
     return _table(header, out)
 
 
+def parallel_table() -> str:
+    """Per-stage plans of a 1F1B pipeline against one plan for all (experiments/parallel.py)."""
+    out = [
+        [
+            r["microbatches"],
+            _fmt(_num(r["budget_bytes"]) / MIB),  # type: ignore[operator]
+            r["method"],
+            "yes" if r["fits"] == "True" else "no",
+            " / ".join(_fmt(int(b) / MIB) for b in r["stage_peaks"].split()),
+            r["stage_recompute_ms"].replace(" ", " / "),
+            _fmt(_num(r["step_ms"]), 1),
+            f"{float(r['bubble_share']):.1%}",
+        ]
+        for r in _read("parallel.csv")
+    ]
+    header = ["microbatches", "budget per stage MiB", "plan", "fits", "stage peaks MiB",
+              "recompute ms per stage", "simulated step ms", "bubble"]  # fmt: skip
+    return _table(header, out)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "compare": compare_table,
     "predicted": predicted_table,
@@ -455,6 +475,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "lengths": lengths_table,
     "least_peaks": least_peaks_table,
     "regions": regions_table,
+    "parallel": parallel_table,
 }
 MARK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

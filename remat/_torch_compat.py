@@ -282,8 +282,12 @@ class FakeWorld:
         first = 1_000_000 * FakeWorld._worlds
         self._data = WorldData(None, {}, {}, {}, {}, first, {}, {}, {}, [])  # type: ignore[arg-type]
         self._world = _OwnWorld(self._data)
-        with self.active():
-            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        hook = sys.excepthook  # which init_process_group wraps to prefix "[rank<r>]:"
+        try:
+            with self.active():
+                dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        finally:
+            sys.excepthook = hook
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -44,6 +44,7 @@ import torch
 
 from remat.graph.profiles import DeviceProfile
 from remat.native.dataflow import problem_of
+from remat.native.pipelining import ScheduleTrace
 from remat.native.regions import OpKey, Policy
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.problem import Problem
@@ -202,6 +203,48 @@ def costs(trace: StepTrace) -> ChainCosts:
     )
 
 
+def in_flight_at_peak(schedule: ScheduleTrace) -> int:
+    """Microbatches whose saved activations a pipeline stage holds at its peak action (the
+    running one included)."""
+    top = max(schedule.actions, key=lambda a: a.peak_bytes)
+    return top.in_flight + (top.kind == "F")
+
+
+def in_flight(
+    table: Sequence[ChainCosts], traced_peaks: Sequence[int], eager: ScheduleTrace
+) -> list[ChainCosts]:
+    """One microbatch's per-block costs of each uniform option (``table``) for a pipeline
+    stage, which holds several microbatches at its peak (``eager``'s, the stage with every
+    region eager): each block's kept bytes count once per microbatch held, and every base
+    moves by what the schedule adds besides (receive buffers, gradients, outputs kept). That
+    addition is the same for every plan: the least over the options of their traced peaks
+    (``traced_peaks``) less the model's. The model stays approximate (the DP's choices are
+    traced, and the traces decide); taking the least keeps it from refusing plans that fit."""
+    copies = in_flight_at_peak(eager)
+
+    def modelled(c: ChainCosts) -> int:
+        prefix = [0]
+        for k in c.keep:
+            prefix.append(prefix[-1] + k * copies)
+        return max(
+            [prefix[-1] + c.tail_base, c.head]
+            + [prefix[k] + max(c.fw_base[k], c.bw_base[k]) for k in range(len(c.keep))]
+        )
+
+    shift = min(t - modelled(c) for c, t in zip(table, traced_peaks, strict=True))
+    return [
+        ChainCosts(
+            keep=[k * copies for k in c.keep],
+            fw_base=[b + shift for b in c.fw_base],
+            bw_base=[b + shift for b in c.bw_base],
+            tail_base=c.tail_base + shift,
+            head=c.head,
+            time_s=c.time_s,
+        )
+        for c in table
+    ]
+
+
 @dataclass(frozen=True)
 class Solution:
     policies: tuple[Policy, ...]
@@ -354,6 +397,12 @@ def _chain(
 
     uniform = [run([o] * n) for o in range(n_opts)]
     table = [costs(t) for t in uniform]
+    if problem.baseline.schedule is not None:
+        # Megatron's recompute_num_layers: the first N regions recomputed whole, the rest
+        # eager. On a pipeline stage the DP's model is approximate and can miss these.
+        for first in sorted({n * i // GRID_POINTS for i in range(1, GRID_POINTS)} - {0}):
+            run([n_opts - 1] * first + [0] * (n - first))
+        table = in_flight(table, [t.peak_bytes for t in uniform], problem.baseline.schedule)
     least = min(t.peak_bytes for t in uniform)
     most = max(t.peak_bytes for t in uniform)
     grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
@@ -415,6 +464,8 @@ def planned(
             )
         assert target is not None
         target -= trace.peak_bytes - budget_bytes
+        if target < 0:  # the dataflow's peaks are far below the traced ones: give up
+            break
     assert budget_bytes is not None
     least = fixed(problem, "block", tracer).trace.peak_bytes
     raise BudgetError(budget_bytes, min([least, *peaks]), f"native SAC, solver {solver}")

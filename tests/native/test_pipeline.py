@@ -114,3 +114,15 @@ def test_a_budget_below_the_stage_least_peak_names_the_stage() -> None:
             block_types=("blocks.*",),
         )
     assert not list(remat.native.regions.iter_regions(model))  # left as it was
+
+
+def test_a_fake_world_leaves_the_process_excepthook_alone() -> None:
+    """``init_process_group`` wraps ``sys.excepthook`` to prefix ``[rank<r>]:``; each stage
+    planned would otherwise stack one more prefix on the user's tracebacks."""
+    import sys
+
+    from remat import _torch_compat as tc
+
+    hook = sys.excepthook
+    tc.FakeWorld(4, rank=3)
+    assert sys.excepthook is hook
