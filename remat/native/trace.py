@@ -528,10 +528,7 @@ class FakeModel:
         """Run one training step (as :func:`remat.meter.training_step`) with ``policies[k]``
         on block ``k`` and record it."""
         where = where_measured_on(self.source_device, profile.name)
-        host = self.source_device is not None and self.source_device.type == "cpu"
-        recorder = _Recorder(
-            profile, self.blocks, self._running_stats, allocator=bool(where), host=host
-        )
+        recorder = self._new_recorder(profile)
         for p in self.module.parameters():
             p.grad = None
         fake_args, fake_kwargs = tc.tree_map(self._fake, (args, dict(kwargs)))
@@ -546,7 +543,7 @@ class FakeModel:
                 recorder.phase, recorder.block = "backward", -1
                 recorder.outputs = tuple(recorder.storage_names(outputs))
 
-            try:
+            with self._stepping(recorder):
                 training_step(
                     self.module,
                     fake_args,
@@ -556,13 +553,6 @@ class FakeModel:
                     autocast_policy=policy_of(profile.name),
                 )
                 live_at_end = frozenset(recorder.names.values())
-            except TraceError:
-                raise
-            except Exception as e:
-                raise _explain(e, recorder, self.real) from e
-            finally:
-                for p in self.module.parameters():
-                    p.grad = None  # shared with the user's model when it is fake
         missing = [self.blocks[k] for k in range(len(self.blocks)) if k not in recorder.fwd_live]
         if missing:
             raise TraceError(f"regions never called in the forward: {missing[:3]}")
@@ -589,6 +579,28 @@ class FakeModel:
             peak_bytes=schedule.peak_bytes,
             tensor_peak_bytes=schedule.tensor_peak_bytes,
             schedule=schedule,
+        )
+
+    @contextlib.contextmanager
+    def _stepping(self, recorder: _Recorder) -> Iterator[None]:
+        """Around a recorded step: a failure says where in the step it happened
+        (:func:`_explain`), and the copy's gradients are dropped after it (shared with the
+        user's model when that is fake)."""
+        try:
+            yield
+        except TraceError:
+            raise
+        except Exception as e:
+            raise _explain(e, recorder, self.real) from e
+        finally:
+            for p in self.module.parameters():
+                p.grad = None
+
+    def _new_recorder(self, profile: DeviceProfile) -> _Recorder:
+        where = where_measured_on(self.source_device, profile.name)
+        host = self.source_device is not None and self.source_device.type == "cpu"
+        return _Recorder(
+            profile, self.blocks, self._running_stats, allocator=bool(where), host=host
         )
 
     def _recording(
@@ -646,11 +658,7 @@ class FakeModel:
         so its receive buffers, allocated by a stage's first step, count."""
         pipe, world = self.pipeline, self.world
         assert pipe is not None and world is not None
-        where = where_measured_on(self.source_device, profile.name)
-        host = self.source_device is not None and self.source_device.type == "cpu"
-        recorder = _Recorder(
-            profile, self.blocks, self._running_stats, allocator=bool(where), host=host
-        )
+        recorder = self._new_recorder(profile)
         n = pipe.microbatches
         with world.active(), self.mode, torch.no_grad(), torch.random.fork_rng(devices=[]):
             inputs = tuple(a.detach() for a in args)
@@ -689,20 +697,13 @@ class FakeModel:
         with contextlib.ExitStack() as stack:
             self._recording(stack, recorder, policies, {})
             stack.enter_context(tc.p2p_works_hold_tensors())
-            try:
+            with self._stepping(recorder):
                 if pipe.first:
                     schedule.step(*batch)
                 elif pipe.last:
                     schedule.step(target=target, losses=[])
                 else:
                     schedule.step()
-            except TraceError:
-                raise
-            except Exception as e:
-                raise _explain(e, recorder, self.real) from e
-            finally:
-                for p in self.module.parameters():
-                    p.grad = None
         peak = recorder.allocator_peak()
         return ScheduleTrace(pipe, tuple(actions), peak, recorder.peak_bytes)
 
