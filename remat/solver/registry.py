@@ -372,12 +372,16 @@ def solve(
     if budget_bytes is not None and budget_bytes < 0:
         raise ValueError("the budget must be >= 0 bytes")
     config = config or SolverConfig()
+    reused = _solved_before(problem, budget_bytes, config, solver)
+    if reused is not None:
+        return reused
     plan = get_solver(solver, problem)(problem, budget_bytes=budget_bytes, config=config)
     if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
         raise BudgetError(budget_bytes, plan.predicted_peak_bytes, f"the peak of {solver}'s plan")
     if budget_bytes is not None:
         if solver in NEVER_BEATEN:
             plan = _with_seen(problem, budget_bytes, plan, solver)
+            _SOLVED.setdefault(id(problem), {})[budget_bytes, _settings(config)] = plan
         _remember(problem, budget_bytes, plan)
     return plan
 
@@ -390,11 +394,41 @@ _SEEN: dict[int, dict[int, Plan]] = {}
 """``id(problem)`` -> budget -> the cheapest plan :func:`solve` returned there so far."""
 
 
+_SOLVED: dict[int, dict[tuple[int, SolverConfig], Plan]] = {}
+"""``id(problem)`` -> (budget, settings) -> the plan ``exact`` or ``auto`` returned there."""
+
+
+def _settings(config: SolverConfig) -> SolverConfig:
+    """``config`` without what does not change a plan (the progress callback)."""
+    return dataclasses.replace(config, progress=None)
+
+
+def _solved_before(
+    problem: Problem, budget_bytes: int | None, config: SolverConfig, solver: str
+) -> Plan | None:
+    """The plan ``exact`` or ``auto`` already returned for this problem, budget and settings,
+    renamed for ``solver``; None for other solvers or where neither ran. Why: both run the
+    same MILP under a deadline, so a second run (under load, say) can find a cheaper or a
+    dearer incumbent than the first; answering both from one run keeps them equal, and each
+    at or below every plan seen before it (:func:`_with_seen`), whichever runs first."""
+    if solver not in NEVER_BEATEN or budget_bytes is None:
+        return None
+    plan = _SOLVED.get(id(problem), {}).get((budget_bytes, _settings(config)))
+    if plan is None:
+        return None
+    if solver == "auto":
+        name = plan.solver if plan.solver.startswith("auto") else f"auto:{plan.solver}"
+    else:
+        name = solver
+    return dataclasses.replace(plan, solver=name)
+
+
 def _remember(problem: Problem, budget_bytes: int, plan: Plan) -> None:
     key = id(problem)
     if key not in _SEEN:
         _SEEN[key] = {}
         weakref.finalize(problem, _SEEN.pop, key, None)
+        weakref.finalize(problem, _SOLVED.pop, key, None)
     best = _SEEN[key].get(budget_bytes)
     if best is None or plan.recompute_time_s < best.recompute_time_s:
         _SEEN[key][budget_bytes] = plan
