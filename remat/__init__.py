@@ -17,6 +17,7 @@ from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
 from remat.native.api import apply, save_plan, unapply
+from remat.native.pipeline_plan import PipelinePlan, plan_pipeline
 from remat.native.pipelining import Pipeline, PipelineError
 from remat.native.regions import BlockError
 from remat.native.state import plan_of
@@ -40,6 +41,7 @@ __all__ = [
     "MemoryFormula",
     "Pipeline",
     "PipelineError",
+    "PipelinePlan",
     "Plan",
     "PlanFileError",
     "Problem",
@@ -54,6 +56,7 @@ __all__ = [
     "measure_step",
     "memory_formula",
     "optimize",
+    "plan_pipeline",
     "plan_of",
     "save_plan",
     "unapply",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -49,16 +50,18 @@ from remat.models import TinyGPT
 from remat.native.api import NATIVE_SOLVERS, apply, kv_cache_off, save_plan
 from remat.native.api import analyze as native_analyze
 from remat.native.parallel import tensor_parallel
+from remat.native.pipeline_plan import plan_pipeline
 from remat.native.planner import NATIVE_PLANS
 from remat.native.planner import fixed as native_fixed
 from remat.native.planner import solve as native_solve
 from remat.native.regions import find_blocks
 from remat.native.report import explain_applied
+from remat.native.split import causal_lm_stages, stage_example
 from remat.native.state import applied
 from remat.native.trace import StepTrace, TraceError
 from remat.pipeline import analyze
 from remat.plots import fit_plot, pareto_plot, timeline_plot
-from remat.presets import PRESETS, build, parse_settings
+from remat.presets import PRESETS, Built, build, parse_settings
 from remat.problem import Problem
 from remat.report import explain_plan
 from remat.request import Request, as_args, model_static_memory, resolve_profile
@@ -251,6 +254,8 @@ def plan_command(args: argparse.Namespace) -> int:
         return 2
     n = sum(p.numel() for p in built.model.parameters())
     executor = executor_of(args)
+    if args.pp_size > 1:
+        return _plan_pipeline(args, built, executor, console)
     tp = ""
     if args.tp_size > 1:
         try:
@@ -292,6 +297,76 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, console: Console) -> int:
+    """``--pp-size``: the model cut into stages (:mod:`remat.native.split`), every stage
+    planned at once (:func:`remat.plan_pipeline`), one device budget per stage."""
+    if executor != "sac":
+        console.print("[red]remat plan: --pp-size plans remat.apply's executor: use --executor sac")
+        return 2
+    if args.tp_size > 1:
+        console.print(
+            "[red]remat plan: --pp-size with --tp-size cannot be planned ahead yet: plan the "
+            "stages in the job (remat.plan_pipeline on the tensor-parallel stage modules)"
+        )
+        return 2
+    microbatches = args.microbatches or args.pp_size
+    tokens = built.args[0] if built.args else None
+    if not isinstance(tokens, torch.Tensor) or tokens.shape[0] % microbatches:
+        console.print(
+            f"[red]remat plan: --batch {args.batch} does not split into {microbatches} microbatches"
+        )
+        return 2
+    t0 = time.perf_counter()
+    try:
+        stages = causal_lm_stages(built.model, args.pp_size)
+        micro = tokens[: tokens.shape[0] // microbatches]
+        dtype = next(built.model.parameters()).dtype
+        inputs = [stage_example(s, micro, dtype) for s in stages]
+    except ValueError as e:
+        console.print(f"[red]remat plan: {e}")
+        return 2
+    console.print(
+        f"[bold]{built.description}[/]: {args.pp_size} stages (layers per stage: "
+        f"{', '.join(str(len(s.layers)) for s in stages)}), {args.pp_schedule}, "
+        f"{microbatches} microbatches of {micro.shape[0]}; {args.precision}, {args.optimizer}, "
+        f"profile {args.device}, budget {args.budget_gb} GB per stage's device"
+    )
+    console.print(f"executor: {EXECUTORS[executor]}")
+    progress = console.status("planning...")
+    with progress:
+        try:
+            req = _request(args, lambda msg: progress.update(f"planning: {msg}"))
+            req = dataclasses.replace(req, block_types=("layers.*",))  # one layer a stage too
+            planned = plan_pipeline(
+                stages,
+                inputs,
+                schedule=args.pp_schedule,
+                microbatches=microbatches,
+                loss_fn=_next_token_loss,
+                target=micro,
+                request=req,
+            )
+        except (ValueError, TraceError) as e:
+            console.print(f"[red]remat plan: {e}")
+            return 1
+    console.print(planned.summary(), end="")
+    for stage in stages:
+        plan = applied(stage).plan
+        console.print(f"stage {stages.index(stage)}: {plan.solver}, {plan.reason}")
+    console.print(f"wall time {time.perf_counter() - t0:.1f} s")
+    if args.save:
+        root = Path(args.save)
+        for i, stage in enumerate(stages):
+            saved = save_plan(stage, root.with_name(f"{root.stem}.stage{i}{root.suffix}"))
+            console.print(f"stage {i}'s plan written to {saved}")
+    return 0
+
+
+def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss in ``remat plan --pp-size``: cross-entropy against the tokens."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
 EXECUTORS = {
     "graph": "remat's whole-graph executor (remat.optimize): one module, no distributed engine",
     "sac": "PyTorch's selective checkpointing on the model's blocks (remat.apply): runs under "
@@ -319,7 +394,8 @@ def executor_of(args: argparse.Namespace) -> str:
     ``graph`` on one device."""
     if args.executor != "auto":
         return str(args.executor)
-    return "sac" if args.world_size > 1 or getattr(args, "tp_size", 1) > 1 else "graph"
+    parallel = getattr(args, "tp_size", 1) > 1 or getattr(args, "pp_size", 1) > 1
+    return "sac" if args.world_size > 1 or parallel else "graph"
 
 
 def _request(args: argparse.Namespace, progress: Callable[[str], None]) -> Request:
@@ -733,6 +809,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="tensor-parallel ranks (Llama-family models; --executor sac): plans rank 0 of "
         "the layout torchtitan uses (q/k/v/gate/up column-wise, o/down row-wise)",
+    )
+    p.add_argument(
+        "--pp-size",
+        type=int,
+        default=1,
+        help="pipeline stages (Llama-family models; --executor sac): the layers split evenly, "
+        "each stage planned for a rank of its own over a whole schedule step",
+    )
+    p.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule: 1F1B or GPipe")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per step with --pp-size (default: --pp-size); --batch is the step's",
     )
     p.set_defaults(func=plan_command)
     c = sub.add_parser(

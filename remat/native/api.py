@@ -195,8 +195,15 @@ def apply(
         tuple(planner.costs(solution.trace).time_s),
         solution.trace.scratch,
         solution.trace.schedule,
+        _times(problem.baseline),
     )
     return model
+
+
+def _times(trace: StepTrace) -> tuple[float, float]:
+    """The estimated forward and backward (recompute included) time of ``trace``'s step."""
+    forward = sum(e.time_s for e in trace.events if e.phase == "forward")
+    return forward, sum(e.time_s for e in trace.events if e.phase != "forward")
 
 
 @dataclass(frozen=True)

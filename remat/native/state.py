@@ -45,6 +45,9 @@ class Applied:
     """Where the allocator-only bytes (kernel scratch, RNG states) were measured, or why not."""
     schedule: ScheduleTrace | None = None
     """For a pipeline stage, its traced ``schedule.step()`` under the plan."""
+    eager_times_s: tuple[float, float] = (0.0, 0.0)
+    """Estimated forward and backward time of one step (a pipeline stage: one microbatch)
+    with every block eager."""
 
 
 def applied(model: nn.Module) -> Applied:

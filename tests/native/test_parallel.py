@@ -81,3 +81,53 @@ def test_each_rank_recomputes_its_shards_flops() -> None:
         remat.apply(model, tokens, plan="block")
         flops[tp] = remat.plan_of(model).recompute_flops
     assert flops[1] > 0 and flops[2] * 2 == flops[1]
+
+
+def test_a_causal_lm_cut_into_stages_computes_the_model() -> None:
+    """``--pp-size``'s stages run the model's own forward: chained, they give its logits and
+    gradients bitwise (train mode, attention dropout on, one random stream)."""
+    from remat.native.split import causal_lm_stages, stage_example
+
+    model = llama(4, 64)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    expected = model(tokens).logits
+    expected.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    stages = causal_lm_stages(model, 3)
+    assert [len(s.layers) for s in stages] == [1, 1, 2]
+    assert stage_example(stages[1], tokens, torch.float32).shape == (2, 32, 64)
+    torch.manual_seed(1)
+    h = tokens
+    for stage in stages:
+        h = stage(h)
+    assert torch.equal(h, expected)
+    h.sum().backward()
+    assert grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if n in grads)
+    with pytest.raises(ValueError, match="not a Llama-family causal LM"):
+        causal_lm_stages(next(c for c in ZOO if c.name == "hf_gpt2").build(), 2)
+    with pytest.raises(ValueError, match="2 to 4 stages"):
+        causal_lm_stages(model, 5)
+
+
+def test_cli_plans_every_stage_of_a_pipeline(
+    capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    """``--pp-size 2``: each stage planned for its own device budget over a 1F1B step; the
+    first stage (2 microbatches in flight) recomputes, the last (1) does not."""
+    pp = [*LLAMA[: LLAMA.index("--budget-gb")], "--device", "cpu", "--time-limit", "3",
+          "--executor", "sac", "--pp-size", "2", "--microbatches", "2"]  # fmt: skip
+    save = f"{tmp_path}/plan.json"
+    assert main(["plan", *pp, "--budget-gb", "0.00133", "--save", save]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    assert [r[1].strip() for r in rows] == ["2", "1"], out  # in flight
+    recompute = [float(r[4]) for r in rows]
+    assert recompute[0] > 0 == recompute[1], out
+    assert "bubble share" in out and f"{tmp_path}/plan.stage1.json" in out.replace("\n", "")
+    assert main(["plan", *pp, "--tp-size", "2"]) == 2
+    assert "--pp-size with --tp-size" in capsys.readouterr().out
+    assert main(["plan", *pp, "--microbatches", "3"]) == 2
+    assert "does not split into 3 microbatches" in capsys.readouterr().out

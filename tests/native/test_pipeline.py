@@ -62,21 +62,6 @@ def _plan_stage(stage: int, n_stages: int, schedule: str, budget: int | None) ->
     return applied(model)
 
 
-def test_stages_of_1f1b_hold_p_minus_i_microbatches_and_the_first_recomputes_most() -> None:
-    """4 stages, 4 microbatches, in one process: stage i holds P - i microbatches at once
-    (as measured on 4 gloo ranks, DESIGN.md), and under one budget the stages that hold more
-    recompute more."""
-    eager = [_plan_stage(i, 4, "1F1B", None) for i in range(4)]
-    assert [s.schedule.max_in_flight for s in eager] == [4, 3, 2, 1]  # type: ignore[union-attr]
-    assert eager[1].plan.predicted_peak_bytes > eager[2].plan.predicted_peak_bytes
-    budget = eager[2].plan.predicted_peak_bytes
-    planned = [_plan_stage(i, 4, "1F1B", budget) for i in range(1, 4)]
-    recompute = [s.plan.simulation.recompute_time_s for s in planned]
-    assert all(s.plan.predicted_peak_bytes <= budget for s in planned)
-    assert recompute[0] > 0 and recompute[-1] == 0, recompute
-    assert recompute == sorted(recompute, reverse=True), recompute
-
-
 def test_gpipe_holds_every_microbatch_on_every_stage() -> None:
     for stage in (0, 3):
         state = _plan_stage(stage, 4, "GPipe", None)
@@ -126,3 +111,73 @@ def test_a_fake_world_leaves_the_process_excepthook_alone() -> None:
     hook = sys.excepthook
     tc.FakeWorld(4, rank=3)
     assert sys.excepthook is hook
+
+
+def _stages(n: int) -> tuple[list[GPTStage], list[torch.Tensor], torch.Tensor]:
+    inputs = [stage_inputs(i) for i in range(n)]
+    return [GPTStage(i, n, layers=1) for i in range(n)], [x for x, _ in inputs], inputs[-1][1]
+
+
+def _plan_all(
+    budgets: list[int | None] | None = None, stages: list[GPTStage] | None = None, **kw: object
+) -> remat.PipelinePlan:
+    made, xs, target = _stages(4)
+    return remat.plan_pipeline(
+        stages or made,
+        xs,
+        schedule="1F1B",
+        microbatches=4,
+        loss_fn=pipeline_loss,
+        target=target,
+        stage_budgets=budgets,
+        time_limit_s=10,
+        block_types=("blocks.*",),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_a_pipeline_planned_at_once_beats_every_uniform_plan_that_fits(tmp_path: Path) -> None:
+    """4 stages of 1F1B under one budget per stage: the stages holding more microbatches
+    recompute more, and the simulated step is no longer than that of any one fixed plan on
+    every stage that fits them all (each stage's least recompute is the least step). Planned
+    ahead in one process, a stage's plan re-applies from its file (as each rank would)."""
+    eager = _plan_all()
+    assert [s.in_flight for s in eager.stages] == [4, 3, 2, 1]
+    assert all(s.recompute_s == 0 and s.peak_bytes == s.eager_peak_bytes for s in eager.stages)
+    budget = eager.stages[2].eager_peak_bytes
+    stages = _stages(4)[0]
+    ours = _plan_all([budget] * 4, stages)
+    recompute = [s.recompute_s for s in ours.stages]
+    assert all(s.peak_bytes <= budget == s.budget_bytes for s in ours.stages)
+    assert recompute[0] >= recompute[1] > 0 and recompute[2] == recompute[3] == 0, recompute
+    assert ours.step_s > ours.eager_timing.step_s == eager.step_s
+    uniform = {name: _plan_all(plan=name) for name in ("keep_matmuls", "block")}
+    fitting = {
+        name: p.step_s
+        for name, p in uniform.items()
+        if all(s.peak_bytes <= budget for s in p.stages)
+    }
+    assert "block" in fitting, {n: [s.peak_bytes for s in p.stages] for n, p in uniform.items()}
+    assert ours.step_s <= min(fitting.values()), (ours.step_s, fitting)
+    text = ours.summary()
+    assert "1F1B, 4 stages, 4 microbatches" in text and "bubble share" in text
+    remat.save_plan(stages[0], tmp_path / "stage0.json")
+    fresh = GPTStage(0, 4, layers=1)
+    pipe = remat.Pipeline("1F1B", 0, 4, 4, loss_fn=pipeline_loss)
+    path = str(tmp_path / "stage0.json")
+    remat.apply(fresh, stage_inputs(0)[0], pipeline=pipe, plan=path, block_types=("blocks.*",))
+    assert applied(fresh).policies == applied(stages[0]).policies
+    assert applied(fresh).plan.predicted_peak_bytes == ours.stages[0].peak_bytes
+
+
+def test_a_stage_that_cannot_fit_unwraps_those_planned_before_it() -> None:
+    stages, xs, target = _stages(2)
+    plan = dict(schedule="1F1B", microbatches=2, loss_fn=pipeline_loss, target=target)
+    with pytest.raises(remat.BudgetError, match=r"stage 1 of 2, 1F1B, 2 microbatches"):
+        remat.plan_pipeline(
+            stages, xs, stage_budgets=[None, 1000], block_types=("blocks.*",), **plan
+        )  # type: ignore[arg-type]
+    for stage in stages:
+        assert not list(remat.native.regions.iter_regions(stage))
+    with pytest.raises(ValueError, match="1 stage budgets for 2 stages"):
+        remat.plan_pipeline(stages, xs, stage_budgets=[None], **plan)  # type: ignore[arg-type]
