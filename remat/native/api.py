@@ -28,7 +28,7 @@ from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
-from remat.native.pipelining import Pipeline
+from remat.native.pipelining import Pipeline, PipelineError
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
 from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
@@ -127,6 +127,10 @@ def apply(
     microbatch's target (last stage). The budget is this stage's, and the peak planned is
     that of a whole ``schedule.step()``: every microbatch in flight at each action of the
     schedule, as it runs (traced through PyTorch's own schedule on a fake process group).
+    Under a multi-stage schedule (``Interleaved1F1B``, ``LoopedBFS``: ``Pipeline(...,
+    stages_per_rank=V)``) ``model`` is the rank's V stage modules as one ``nn.ModuleList``
+    (stage order), ``example_inputs`` one microbatch's input per stage, and the blocks by
+    default each stage's own; the stages are planned together, for the rank's device.
 
     Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
     refused after them), and only once (:func:`unapply` first to re-plan).
@@ -143,7 +147,7 @@ def apply(
     options = req.training
 
     t0 = time.perf_counter()
-    blocks = regions.find_blocks(model, req.block_types)
+    blocks = _find_blocks(model, req.block_types, pipeline)
     use_cache = _disable_kv_cache(model)
     try:
         with device_errors(device):
@@ -206,6 +210,24 @@ def _times(trace: StepTrace) -> tuple[float, float]:
     return forward, sum(e.time_s for e in trace.events if e.phase != "forward")
 
 
+def _find_blocks(
+    model: nn.Module, block_types: tuple[str, ...], pipeline: Pipeline | None
+) -> tuple[str, ...]:
+    """The blocks; for a rank of a multi-stage schedule (an ``nn.ModuleList`` of its
+    stages), by default each stage's own."""
+    if pipeline is None or pipeline.stages_per_rank == 1 or block_types:
+        return regions.find_blocks(model, block_types)
+    if not isinstance(model, nn.ModuleList) or len(model) != pipeline.stages_per_rank:
+        raise PipelineError(
+            f"under {pipeline.schedule} a rank holds {pipeline.stages_per_rank} stages: "
+            "pass them as one nn.ModuleList, in the order of their stage indices "
+            f"({', '.join(map(str, pipeline.indices))})"
+        )
+    return tuple(
+        f"{k}.{path}" for k, stage in enumerate(model) for path in regions.find_blocks(stage, ())
+    )
+
+
 @dataclass(frozen=True)
 class Stage:
     """A pipeline stage's place (:class:`Pipeline`) and one microbatch's target."""
@@ -230,7 +252,7 @@ def _check_pipeline(req: Request, pipeline: Pipeline | None, target: Any) -> Non
         )
     if pipeline.last and target is None:
         raise ValueError(
-            f"stage {pipeline.stage} is the last: pass one microbatch's target "
+            f"stage {pipeline.n_stages - 1} is the last: pass one microbatch's target "
             "(remat.apply(..., target=...)) for its loss"
         )
     if not pipeline.last and target is not None:

@@ -23,7 +23,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from remat.native.api import apply, unapply
-from remat.native.pipelining import Pipeline
+from remat.native.pipelining import MULTI_STAGE, SINGLE_STAGE, Pipeline, PipelineError
 from remat.native.state import Applied, applied
 from remat.request import Request, RequestArgs, request_of
 from remat.solver.stages import PipelineTiming, StageTimes, simulate_pipeline
@@ -136,6 +136,12 @@ def plan_pipeline(
         raise ValueError(f"{len(stage_inputs)} stage inputs for {n} stages")
     if stage_budgets is not None and len(stage_budgets) != n:
         raise ValueError(f"{len(stage_budgets)} stage budgets for {n} stages")
+    if schedule.lower() in {m.lower() for m in MULTI_STAGE}:
+        raise PipelineError(
+            f"plan_pipeline plans one stage per rank ({', '.join(SINGLE_STAGE)}); under "
+            f"{schedule} plan each rank's stages with remat.apply(nn.ModuleList(stages), "
+            "inputs, pipeline=remat.Pipeline(..., stages_per_rank=V))"
+        )
     pipes = [Pipeline(schedule, i, n, microbatches, loss_fn=loss_fn) for i in range(n)]
     states: list[Applied] = []
     budgets: list[int | None] = []

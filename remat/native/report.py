@@ -50,13 +50,14 @@ def _schedule_table(schedule: ScheduleTrace) -> Table:
     """A pipeline stage's actions as its ``schedule.step()`` ran them under the plan."""
     table = Table(
         title=f"pipeline: {schedule.pipeline.describe()}, at most {schedule.max_in_flight} "
-        "microbatches in flight",
+        f"{'microbatch-stage pairs' if schedule.pipeline.stages_per_rank > 1 else 'microbatches'}"
+        " in flight",
         title_justify="left",
     )
     for col in ("action", "in flight before", "live tensors at its peak"):
         table.add_column(col, justify="left" if col == "action" else "right")
     top = max(a.peak_bytes for a in schedule.actions)
-    for a in schedule.actions:
+    for a, name in zip(schedule.actions, schedule.order.split(), strict=True):  # 2F0: stage 2
         mark = "  <- peak" if a.peak_bytes == top else ""
-        table.add_row(f"{a.kind}{a.microbatch}", str(a.in_flight), f"{a.peak_bytes:,} B{mark}")
+        table.add_row(name, str(a.in_flight), f"{a.peak_bytes:,} B{mark}")
     return table

@@ -489,7 +489,15 @@ class FakeModel:
                     "zero_stage=3 or tensor parallelism yet, and not for a model whose step "
                     "cannot run on FakeTensors"
                 )
-            self.world = tc.FakeWorld(pipeline.n_stages, rank=pipeline.stage)
+            self.world = tc.FakeWorld(pipeline.ranks, rank=pipeline.stage)
+            if pipeline.stages_per_rank > 1 and not (
+                isinstance(model, nn.ModuleList) and len(model) == pipeline.stages_per_rank
+            ):
+                raise TraceError(
+                    f"under {pipeline.schedule} a rank holds {pipeline.stages_per_rank} "
+                    "stages: pass them as one nn.ModuleList, in the order of their stage "
+                    f"indices ({', '.join(map(str, pipeline.indices))})"
+                )
             with self.mode:
                 self.target = tc.tree_map(self._fake, target)
         if fsdp_world is not None:
@@ -545,7 +553,7 @@ class FakeModel:
 
             with self._stepping(recorder):
                 training_step(
-                    self.module,
+                    self._stepped(),
                     fake_args,
                     fake_kwargs,
                     autocast=autocast,
@@ -634,21 +642,37 @@ class FakeModel:
             # After fork_rng, whose own saved state the real step does not have.
             stack.enter_context(tc.rng_states_saved(recorder.made_outside))
 
+    def _stepped(self) -> nn.Module:
+        """What one step runs: the model, or a rank's stages each on its own input."""
+        if self.pipeline is not None and self.pipeline.stages_per_rank > 1:
+            return _EachOnItsInput(self.module)
+        return self.module
+
     def _stage_inputs(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], autocast: torch.dtype | None
     ) -> tuple[Any, ...]:
         """A stage's inputs as it receives them: a later stage's float activations require
-        their gradient (the stage sends it back)."""
+        their gradient (the stage sends it back). A rank of a multi-stage schedule: one
+        input per stage it holds."""
         if kwargs or autocast is not None:
             raise TraceError(
                 "a pipeline stage is planned with positional tensor inputs and without "
                 "autocast (keyword inputs and autocast are not supported yet)"
             )
-        assert self.pipeline is not None
-        if self.pipeline.first:
-            return args
+        pipe = self.pipeline
+        assert pipe is not None
+        if pipe.stages_per_rank > 1 and len(args) != pipe.stages_per_rank:
+            raise TraceError(
+                f"a rank holding stages {', '.join(map(str, pipe.indices))} takes one "
+                f"microbatch input per stage ({pipe.stages_per_rank}), not {len(args)}"
+            )
         with self.mode:
-            return tuple(a.detach().requires_grad_() if a.is_floating_point() else a for a in args)
+            return tuple(
+                a
+                if (pipe.first and k == 0) or not a.is_floating_point()
+                else a.detach().requires_grad_()
+                for k, a in enumerate(args)
+            )
 
     def _trace_schedule(
         self, args: tuple[Any, ...], policies: Sequence[Policy], profile: DeviceProfile
@@ -662,21 +686,28 @@ class FakeModel:
         n = pipe.microbatches
         with world.active(), self.mode, torch.no_grad(), torch.random.fork_rng(devices=[]):
             inputs = tuple(a.detach() for a in args)
-            outputs = tuple(t.detach() for t in output_tensors(self.module(*inputs)))
-            batch = tuple(torch.cat([a] * n) for a in inputs)  # as the user's, made before
+            several = pipe.stages_per_rank > 1
+            modules = list(self.module.children()) if several else [self.module]
+            per_stage = [(a,) for a in inputs] if several else [inputs]
+            stages = []
+            for module, index, ins in zip(modules, pipe.indices, per_stage, strict=True):
+                outs = tuple(t.detach() for t in output_tensors(module(*ins)))
+                stages.append(
+                    tc.static_pipeline_stage(module, index, pipe.n_stages, ins[0].device, ins, outs)
+                )
+            batch = tuple(torch.cat([a] * n) for a in per_stage[0])  # the user's, made before
             target = None if self.target is None else torch.cat([self.target] * n)
-            stage = tc.static_pipeline_stage(
-                self.module, pipe.stage, pipe.n_stages, inputs[0].device, inputs, outputs
-            )
             # Every rank passes a loss function: without one a schedule runs no backward.
             schedule = tc.pipeline_schedule_class(pipe.schedule)(
-                stage, n_microbatches=n, loss_fn=pipe.loss_fn or _no_loss
+                stages if several else stages[0],
+                n_microbatches=n,
+                loss_fn=pipe.loss_fn or _no_loss,
             )
         tc.skip_p2p_warmup(schedule)
         actions: list[Action] = []
         overall = [0]
 
-        def recorded(kind: str, run: Any) -> Any:
+        def recorded(kind: str, index: int, run: Any) -> Any:
             def action(mb: int, *a: Any, **k: Any) -> Any:
                 recorder.phase, recorder.block = ("forward" if kind == "F" else "backward"), -1
                 if kind == "F":
@@ -687,13 +718,14 @@ class FakeModel:
                 try:
                     return run(mb, *a, **k)
                 finally:
-                    actions.append(Action(kind, mb, before, recorder.peak_bytes))
+                    actions.append(Action(kind, mb, index, before, recorder.peak_bytes))
                     recorder.peak_bytes = max(overall[0], recorder.peak_bytes)
 
             return action
 
-        stage.forward_one_chunk = recorded("F", stage.forward_one_chunk)
-        stage.backward_one_chunk = recorded("B", stage.backward_one_chunk)
+        for stage, index in zip(stages, pipe.indices, strict=True):
+            stage.forward_one_chunk = recorded("F", index, stage.forward_one_chunk)
+            stage.backward_one_chunk = recorded("B", index, stage.backward_one_chunk)
         with contextlib.ExitStack() as stack:
             self._recording(stack, recorder, policies, {})
             stack.enter_context(tc.p2p_works_hold_tensors())
@@ -734,6 +766,18 @@ class FakeModel:
             with self.mode:
                 return torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return x
+
+
+class _EachOnItsInput(nn.Module):
+    """A rank's stages (an ``nn.ModuleList``) as one step: each on its own microbatch
+    input, every output then given a gradient, as the schedule does stage by stage."""
+
+    def __init__(self, stages: nn.Module) -> None:
+        super().__init__()
+        self.stages = stages
+
+    def forward(self, *xs: Any) -> tuple[Any, ...]:
+        return tuple(stage(x) for stage, x in zip(self.stages.children(), xs, strict=True))
 
 
 def _no_loss(output: Any, target: Any) -> Any:

@@ -27,36 +27,69 @@ from tests.zoo import GPTStage, pipeline_loss, stage_inputs
 STEPS = 3
 MICROBATCHES = 4
 MICROBATCH = 2
-SCHEDULES = ("1F1B", "GPipe")
+SCHEDULES = ("1F1B", "Interleaved1F1B")
+PER_RANK = {"1F1B": 1, "Interleaved1F1B": 2}
+"""Stages per rank: Interleaved1F1B runs stages r and r + world on rank r."""
 
 
-def _stage(module: nn.Module, rank: int, world: int, x: torch.Tensor) -> PipelineStage:
+def _stage(module: nn.Module, index: int, n_stages: int, x: torch.Tensor) -> PipelineStage:
     """Told every shape (as torchtitan's stages are), so no metadata is exchanged."""
     with torch.no_grad():
         y = module(x)
-    last = rank == world - 1
+    last = index == n_stages - 1
     return PipelineStage(
         module,
-        rank,
-        world,
+        index,
+        n_stages,
         torch.device("cpu"),
         input_args=(x,),
         output_args=(y,),
         output_grads=(None if last else y,),
-        input_grads=(None if rank == 0 else x,),
+        input_grads=(None if index == 0 else x,),
     )
+
+
+def _indices(name: str, rank: int, world: int) -> list[int]:
+    return [rank + world * v for v in range(PER_RANK[name])]
+
+
+def _model(name: str, rank: int, world: int) -> nn.Module:
+    """The rank's stage, or its stages as one ``nn.ModuleList`` (2 blocks per rank)."""
+    if PER_RANK[name] == 1:
+        return GPTStage(rank, world)
+    n = world * PER_RANK[name]
+    return nn.ModuleList(GPTStage(i, n, layers=1) for i in _indices(name, rank, world))
 
 
 def _train(module: nn.Module, schedule_name: str, rank: int, world: int) -> dict[str, Any]:
+    """3 AdamW steps through the schedule; the parameters after each, each step's peaks and
+    the order the rank's actions ran in (as :attr:`ScheduleTrace.order` writes it)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    x, target = stage_inputs(rank, MICROBATCH)
-    stage = _stage(module, rank, world, x)
+    several = PER_RANK[schedule_name] > 1
+    n = world * PER_RANK[schedule_name]
+    chunks = list(module) if several else [module]
+    stages = [
+        _stage(m, i, n, stage_inputs(i, MICROBATCH)[0])
+        for m, i in zip(chunks, _indices(schedule_name, rank, world), strict=True)
+    ]
+    order: list[str] = []
+    for stage in stages:
+        for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            run = getattr(stage, attr)
+
+            def logged(
+                mb: int, *a: Any, _run: Any = run, _k: str = f"{kind}", _s: Any = stage, **k: Any
+            ) -> Any:
+                order.append(f"{_s.stage_index if several else ''}{_k}{mb}")
+                return _run(mb, *a, **k)
+
+            setattr(stage, attr, logged)
     schedule = get_schedule_class(schedule_name)(
-        stage, n_microbatches=MICROBATCHES, loss_fn=pipeline_loss
+        stages if several else stages[0], n_microbatches=MICROBATCHES, loss_fn=pipeline_loss
     )
     tokens, _ = stage_inputs(0, MICROBATCH * MICROBATCHES)
-    _, targets = stage_inputs(world - 1, MICROBATCH * MICROBATCHES)
+    _, targets = stage_inputs(n - 1, MICROBATCH * MICROBATCHES)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     params, peaks = [], []
     for step in range(STEPS):
@@ -70,7 +103,8 @@ def _train(module: nn.Module, schedule_name: str, rank: int, world: int) -> dict
             peaks.append(peaks_of(schedule.step))
         opt.step()
         params.append({n: p.detach().clone() for n, p in module.named_parameters()})
-    return {"params": params, "peaks": peaks}
+    first_step = order[: len(order) // STEPS]
+    return {"params": params, "peaks": peaks, "order": " ".join(first_step)}
 
 
 def main(rank: int, world: int, out: str) -> None:
@@ -80,22 +114,33 @@ def main(rank: int, world: int, out: str) -> None:
     try:
         results = {}
         for name in SCHEDULES:
-            model = GPTStage(rank, world)
+            model = _model(name, rank, world)
             work = copy.deepcopy(model)
             plain = _train(model, name, rank, world)
-            pipe = remat.Pipeline(name, rank, world, MICROBATCHES, loss_fn=pipeline_loss)
-            x, target = stage_inputs(rank, MICROBATCH)
-            target = target if pipe.last else None
-            if name == "1F1B":  # auto, under a budget below the eager peak
-                probe = remat.apply(
-                    copy.deepcopy(work), x, pipeline=pipe, target=target, plan="keep_all"
-                )
-                eager = remat.plan_of(probe).predicted_peak_bytes
-                budget = int(0.85 * eager)
-                remat.apply(work, x, pipeline=pipe, target=target, activation_budget_bytes=budget)
-            else:  # a fixed plan (every block recomputed): one trace, no search
-                remat.apply(work, x, pipeline=pipe, target=target, plan="block")
-                eager = budget = applied(work).eager_peak_bytes
+            per_rank = PER_RANK[name]
+            pipe = remat.Pipeline(
+                name,
+                rank,
+                world * per_rank,
+                MICROBATCHES,
+                loss_fn=pipeline_loss,
+                stages_per_rank=per_rank,
+            )
+            xs = tuple(stage_inputs(i, MICROBATCH)[0] for i in pipe.indices)
+            x = xs if per_rank > 1 else xs[0]
+            target = stage_inputs(pipe.n_stages - 1, MICROBATCH)[1] if pipe.last else None
+            blocks = ("*.blocks.*",) if per_rank > 1 else ()
+            # auto, under a budget below the eager peak
+            probe = remat.apply(
+                copy.deepcopy(work), x, pipeline=pipe, target=target, plan="keep_all",
+                block_types=blocks,
+            )  # fmt: skip
+            eager = remat.plan_of(probe).predicted_peak_bytes
+            budget = int(0.85 * eager)
+            remat.apply(
+                work, x, pipeline=pipe, target=target, activation_budget_bytes=budget,
+                block_types=blocks,
+            )  # fmt: skip
             state = applied(work)
             assert state.schedule is not None
             ours = _train(work, name, rank, world)
