@@ -669,7 +669,8 @@ class FakeModel:
         with self.mode:
             return tuple(
                 a
-                if (pipe.first and k == 0) or not a.is_floating_point()
+                if (pipe.first and (k == 0 or pipe.stages_per_rank == 1))
+                or not a.is_floating_point()
                 else a.detach().requires_grad_()
                 for k, a in enumerate(args)
             )

@@ -2,8 +2,8 @@
 
 Planned per stage, the peak of a whole ``schedule.step()`` (every microbatch in flight):
 traced through PyTorch's own schedule on a fake process group, in one process. Checked
-against 2 gloo processes under 1F1B (one stage each) and Interleaved1F1B (2 stages each,
-4 in all), ``auto`` under a budget: parameters after 3 AdamW steps (dropout on) bitwise
+against 2 gloo processes under 1F1B (one stage each, every block recomputed) and
+Interleaved1F1B (2 stages each, 4 in all, ``auto`` under a budget): parameters after 3 AdamW steps (dropout on) bitwise
 those of the same pipeline without remat; the traced action order the one the ranks ran;
 the first step's live-storage peak equal to the prediction, and the allocator's within
 max(1%, 64 KiB) and below the budget.
