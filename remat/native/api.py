@@ -28,7 +28,7 @@ from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import planner, regions
-from remat.native.pipelining import Pipeline, PipelineError
+from remat.native.pipelining import Pipeline
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
 from remat.native.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
@@ -215,16 +215,14 @@ def _find_blocks(
 ) -> tuple[str, ...]:
     """The blocks; for a rank of a multi-stage schedule (an ``nn.ModuleList`` of its
     stages), by default each stage's own."""
+    if pipeline is not None:
+        pipeline.check_modules(model)
     if pipeline is None or pipeline.stages_per_rank == 1 or block_types:
         return regions.find_blocks(model, block_types)
-    if not isinstance(model, nn.ModuleList) or len(model) != pipeline.stages_per_rank:
-        raise PipelineError(
-            f"under {pipeline.schedule} a rank holds {pipeline.stages_per_rank} stages: "
-            "pass them as one nn.ModuleList, in the order of their stage indices "
-            f"({', '.join(map(str, pipeline.indices))})"
-        )
     return tuple(
-        f"{k}.{path}" for k, stage in enumerate(model) for path in regions.find_blocks(stage, ())
+        f"{k}.{path}"
+        for k, stage in enumerate(model.children())
+        for path in regions.find_blocks(stage, ())
     )
 
 

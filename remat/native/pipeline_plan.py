@@ -23,7 +23,13 @@ from torch import nn
 from typing_extensions import Unpack
 
 from remat.native.api import apply, unapply
-from remat.native.pipelining import MULTI_STAGE, SINGLE_STAGE, Pipeline, PipelineError
+from remat.native.pipelining import (
+    MULTI_STAGE,
+    SINGLE_STAGE,
+    Pipeline,
+    PipelineError,
+    ScheduleTrace,
+)
 from remat.native.state import Applied, applied
 from remat.request import Request, RequestArgs, request_of
 from remat.solver.stages import PipelineTiming, StageTimes, simulate_pipeline
@@ -171,10 +177,8 @@ def plan_pipeline(
 def _report(
     schedule: str, microbatches: int, states: Sequence[Applied], budgets: Sequence[int | None]
 ) -> PipelinePlan:
-    orders = []
-    for s in states:
-        assert s.schedule is not None
-        orders.append([(a.kind, a.microbatch) for a in s.schedule.actions])
+    schedules = [_schedule(s) for s in states]
+    orders = [[(a.kind, a.microbatch) for a in t.actions] for t in schedules]
     planned, eager = [], []
     for s in states:
         sim = s.plan.simulation
@@ -185,7 +189,7 @@ def _report(
     reports = tuple(
         StageReport(
             stage=i,
-            in_flight=s.schedule.max_in_flight if s.schedule is not None else 1,
+            in_flight=t.max_in_flight,
             budget_bytes=budgets[i],
             peak_bytes=s.plan.predicted_peak_bytes,
             eager_peak_bytes=s.eager_peak_bytes,
@@ -193,6 +197,11 @@ def _report(
             idle_s=timing.idle_s[i],
             eager_idle_s=eager_timing.idle_s[i],
         )
-        for i, s in enumerate(states)
+        for i, (s, t) in enumerate(zip(states, schedules, strict=True))
     )
     return PipelinePlan(schedule, microbatches, reports, timing, eager_timing)
+
+
+def _schedule(state: Applied) -> ScheduleTrace:
+    assert state.schedule is not None  # applied with pipeline=
+    return state.schedule

@@ -108,6 +108,20 @@ class Pipeline:
             what = "one" if self.stages_per_rank == 1 else "a rank's first (0 to ranks - 1)"
             raise PipelineError(f"stage {self.stage} is not {what} of the {self.n_stages} stages")
 
+    def check_modules(self, model: Any) -> None:
+        """Raise unless ``model`` is what a rank of this pipeline is planned on: its stage,
+        or under a multi-stage schedule its stages as one ``nn.ModuleList``."""
+        from torch import nn
+
+        if self.stages_per_rank > 1 and not (
+            isinstance(model, nn.ModuleList) and len(model) == self.stages_per_rank
+        ):
+            raise PipelineError(
+                f"under {self.schedule} a rank holds {self.stages_per_rank} stages: pass "
+                "them as one nn.ModuleList, in the order of their stage indices "
+                f"({', '.join(map(str, self.indices))})"
+            )
+
     @property
     def ranks(self) -> int:
         return self.n_stages // self.stages_per_rank

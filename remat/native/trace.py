@@ -489,15 +489,8 @@ class FakeModel:
                     "zero_stage=3 or tensor parallelism yet, and not for a model whose step "
                     "cannot run on FakeTensors"
                 )
+            pipeline.check_modules(model)
             self.world = tc.FakeWorld(pipeline.ranks, rank=pipeline.stage)
-            if pipeline.stages_per_rank > 1 and not (
-                isinstance(model, nn.ModuleList) and len(model) == pipeline.stages_per_rank
-            ):
-                raise TraceError(
-                    f"under {pipeline.schedule} a rank holds {pipeline.stages_per_rank} "
-                    "stages: pass them as one nn.ModuleList, in the order of their stage "
-                    f"indices ({', '.join(map(str, pipeline.indices))})"
-                )
             with self.mode:
                 self.target = tc.tree_map(self._fake, target)
         if fsdp_world is not None:

@@ -79,7 +79,7 @@ def _train(module: nn.Module, schedule_name: str, rank: int, world: int) -> dict
             run = getattr(stage, attr)
 
             def logged(
-                mb: int, *a: Any, _run: Any = run, _k: str = f"{kind}", _s: Any = stage, **k: Any
+                mb: int, *a: Any, _run: Any = run, _k: str = kind, _s: Any = stage, **k: Any
             ) -> Any:
                 order.append(f"{_s.stage_index if several else ''}{_k}{mb}")
                 return _run(mb, *a, **k)

@@ -162,6 +162,7 @@ def _plan_all(
         stage_budgets=budgets,
         time_limit_s=10,
         block_types=("blocks.*",),
+        device_profile="a100",  # a roofline: step times estimated, never measured here
         **kw,  # type: ignore[arg-type]
     )
 
@@ -195,7 +196,14 @@ def test_a_pipeline_planned_at_once_beats_every_uniform_plan_that_fits(tmp_path:
     fresh = GPTStage(0, 4, layers=1)
     pipe = remat.Pipeline("1F1B", 0, 4, 4, loss_fn=pipeline_loss)
     path = str(tmp_path / "stage0.json")
-    remat.apply(fresh, stage_inputs(0)[0], pipeline=pipe, plan=path, block_types=("blocks.*",))
+    remat.apply(
+        fresh,
+        stage_inputs(0)[0],
+        pipeline=pipe,
+        plan=path,
+        block_types=("blocks.*",),
+        device_profile="a100",
+    )
     assert applied(fresh).policies == applied(stages[0]).policies
     assert applied(fresh).plan.predicted_peak_bytes == ours.stages[0].peak_bytes
 
