@@ -276,6 +276,9 @@ class FakeWorld:
         from torch.testing._internal.distributed.multi_threaded_pg import WorldData
 
         self.world_size = world_size
+        self.mesh: Any = None
+        """The 2-D ``("dp", "tp")`` mesh of a tensor-parallel model FSDP2 will shard over the
+        data-parallel dimension (:func:`tensor_parallel_fake` with ``dp_size``); else None."""
         # Group names come from the world's group count and are registered process-wide:
         # start far from the job's own (which count from 0).
         FakeWorld._worlds += 1
@@ -328,26 +331,53 @@ class _OwnWorld:
 
 
 def tensor_parallel_fake(
-    model: torch.nn.Module, tp_size: int, plan: Callable[[torch.nn.Module], dict[str, Any]]
+    model: torch.nn.Module,
+    tp_size: int,
+    plan: Callable[[torch.nn.Module], dict[str, Any]],
+    dp_size: int = 1,
 ) -> FakeWorld:
     """``parallelize_module(model, mesh, plan(model))`` over ``tp_size`` ranks of a fresh
     fake world (rank 0's shard of every weight; collectives return at once). ``model`` is a
     FakeTensor model (:func:`remat.fake_mode`); :func:`fake_world_of` finds the world again,
-    so its step can be traced with the mesh's process group registered."""
+    so its step can be traced with the mesh's process group registered. ``dp_size > 1``: the
+    world holds ``dp_size x tp_size`` ranks on a 2-D ``("dp", "tp")`` mesh, the model is
+    parallelized over its ``"tp"`` dimension and FSDP2 later shards over ``"dp"``
+    (:func:`fully_shard_blocks` with the world's ``mesh``), as torchtitan builds TP x FSDP."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     mode = fake_mode_of(model)
     if mode is None:
         raise ValueError("tensor_parallel_fake needs a FakeTensor model (remat.fake_mode())")
-    world = FakeWorld(tp_size)
+    world = FakeWorld(tp_size * dp_size)
     device = next((t.device.type for t in model.parameters()), "cpu")
     with world.active():
-        mesh = init_device_mesh(device, (tp_size,))
+        if dp_size > 1:
+            world.mesh = init_device_mesh(device, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+            mesh = world.mesh["tp"]
+        else:
+            mesh = init_device_mesh(device, (tp_size,))
         with mode:
             parallelize_module(model, mesh, plan(model))
     FakeWorld._of[model] = world
     return world
+
+
+def tensor_parallel_mesh(model: torch.nn.Module) -> Any:
+    """The device mesh ``model``'s DTensor parameters live on (tensor parallelism), or None."""
+    return next((p.device_mesh for p in model.parameters() if is_dtensor(p)), None)  # type: ignore[attr-defined]
+
+
+def data_parallel_mesh(tp_mesh: Any) -> Any:
+    """The data-parallel dimension of the 2-D mesh ``tp_mesh`` was taken from (the root's
+    other dimension: torchtitan's ``mesh["dp_shard"]`` beside ``mesh["tp"]``); None where
+    ``tp_mesh`` is a whole mesh or its root has more dimensions than two."""
+    root = tp_mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    if root is tp_mesh or root.ndim != 2 or tp_mesh.ndim != 1 or len(names) != 2:
+        return None
+    (other,) = (n for n in names if n not in (tp_mesh.mesh_dim_names or ()))
+    return root[other]
 
 
 def fake_world_of(model: torch.nn.Module) -> FakeWorld | None:
@@ -372,22 +402,29 @@ def fully_shard_blocks(
     world_size: int,
     mode: FakeTensorMode,
     param_dtype: torch.dtype | None = None,
+    mesh: Any = None,
 ) -> None:
     """FSDP2 as the recipe applies it: ``fully_shard`` each block, then the root; the device
     mesh is made outside ``mode`` (its rank table is read as data). ``param_dtype``: FSDP2's
     own mixed precision, ``MixedPrecisionPolicy(param_dtype=param_dtype,
-    reduce_dtype=torch.float32)`` (torchtitan's default); None: FSDP2's defaults."""
+    reduce_dtype=torch.float32)`` (torchtitan's default); None: FSDP2's defaults. ``mesh``:
+    the data-parallel dimension of a tensor-parallel model's 2-D mesh; then ``fully_shard``
+    runs outside ``mode`` too, since it builds the 2-D sharding's mesh from the rank table
+    (the parameters are FakeTensors already)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = next((t.device.type for t in model.parameters()), "cpu")
-    mesh = init_device_mesh(device, (world_size,))
+    over = init_device_mesh(device, (world_size,)) if mesh is None else mesh
+    within: contextlib.AbstractContextManager[Any] = (
+        mode if mesh is None else contextlib.nullcontext()
+    )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     mp: dict[str, Any] = {} if param_dtype is None else {"mp_policy": policy}
-    with mode:
+    with within:
         for block in blocks:
-            fully_shard(block, mesh=mesh, **mp)
-        fully_shard(model, mesh=mesh, **mp)
+            fully_shard(block, mesh=over, **mp)
+        fully_shard(model, mesh=over, **mp)
 
 
 @contextlib.contextmanager

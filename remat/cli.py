@@ -264,6 +264,8 @@ def plan_command(args: argparse.Namespace) -> int:
             console.print(f"[red]remat plan: {e}")
             return 2
         tp = f", tensor parallel x {args.tp_size} (rank 0's shard)"
+        if args.zero_stage == 3 and args.world_size > 1:
+            tp += f": {args.world_size * args.tp_size} ranks on a 2-D mesh"
     console.print(
         f"[bold]{built.description}[/]: {n / 1e9:.2f}B parameters; {args.precision}, "
         f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}{tp}, profile "
@@ -377,15 +379,13 @@ EXECUTORS = {
 
 def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor: str) -> None:
     """``--tp-size``: the model parallelized on a fake process group as torchtitan does Llama
-    (:mod:`remat.native.parallel`); only ``remat.apply``'s executor runs tensor-parallel."""
+    (:mod:`remat.native.parallel`); only ``remat.apply``'s executor runs tensor-parallel.
+    With ``--zero-stage 3 --world-size N`` (TP x FSDP2): ``N x tp`` ranks on one 2-D mesh,
+    FSDP2 over its ``N`` data-parallel ranks."""
     if executor != "sac":
         raise ValueError("--tp-size plans remat.apply's executor: use --executor sac")
-    if args.zero_stage == 3 and args.world_size > 1:
-        raise ValueError(
-            "--tp-size with --zero-stage 3 (TP x FSDP2) cannot be planned ahead yet; plan "
-            "the tensor-parallel step alone, or call remat.apply inside the job"
-        )
-    tensor_parallel(model, args.tp_size)
+    fsdp = args.zero_stage == 3 and args.world_size > 1
+    tensor_parallel(model, args.tp_size, dp_size=args.world_size if fsdp else 1)
 
 
 def executor_of(args: argparse.Namespace) -> str:
@@ -808,7 +808,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=1,
         help="tensor-parallel ranks (Llama-family models; --executor sac): plans rank 0 of "
-        "the layout torchtitan uses (q/k/v/gate/up column-wise, o/down row-wise)",
+        "the layout torchtitan uses (q/k/v/gate/up column-wise, o/down row-wise); with "
+        "--zero-stage 3, FSDP2 shards over --world-size data-parallel ranks of a "
+        "(world-size x tp-size) mesh",
     )
     p.add_argument(
         "--pp-size",

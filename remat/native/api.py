@@ -108,7 +108,10 @@ def apply(
     ``zero_stage=3, world_size=N`` the copy is sharded with FSDP2 over N ranks of a fake
     process group (``fully_shard`` on each block, then the root, as the recipe does) and the
     peak is one rank's: gathered parameters of the running and prefetched blocks, gradients
-    before and after reduce-scatter.
+    before and after reduce-scatter. A model tensor-parallel over one dimension of a 2-D
+    mesh (TP x FSDP2) is sharded over the mesh's other dimension instead, the job's own
+    (whose size ``world_size`` must be): FSDP2's collectives on FakeTensors communicate
+    nothing.
 
     ``precision="bf16-fsdp"`` (with ``zero_stage=3, world_size=N``) plans the step FSDP2's
     ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` runs:

@@ -55,8 +55,9 @@ def test_cli_plans_rank_0_of_a_tensor_parallel_run(capsys: pytest.CaptureFixture
     assert main(["plan", *LLAMA, "--tp-size", "2", "--executor", "graph"]) == 2
     assert "--tp-size plans remat.apply's executor" in capsys.readouterr().out
     zero3 = ["--zero-stage", "3", "--world-size", "2"]
-    assert main(["plan", *LLAMA, "--tp-size", "2", *zero3]) == 2
-    assert "cannot be planned ahead yet" in capsys.readouterr().out
+    assert main(["plan", *LLAMA, "--tp-size", "2", *zero3]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # as one line, however it wrapped
+    assert "tensor parallel x 2 (rank 0's shard): 4 ranks on a 2-D mesh" in out
 
 
 def test_collectives_are_always_kept() -> None:
@@ -131,3 +132,24 @@ def test_cli_plans_every_stage_of_a_pipeline(
     assert "--pp-size with --tp-size" in capsys.readouterr().out
     assert main(["plan", *pp, "--microbatches", "3"]) == 2
     assert "does not split into 3 microbatches" in capsys.readouterr().out
+
+
+def test_tp_with_fsdp2_needs_the_2d_mesh_it_was_parallelized_for() -> None:
+    """FSDP2 over world_size ranks shards a fake TP model's "dp" mesh dimension, which must
+    have that size (that the 2-D plan's peak is the one measured on 4 ranks is checked in
+    test_tensor_parallel.py)."""
+    tokens = torch.randint(0, 128, (2, 32))
+    with remat.fake_mode():
+        flat = llama(2, 64)
+    tensor_parallel(flat, 2)
+    with pytest.raises(remat.TraceError, match=r"dp_size=2\)"):
+        remat.apply(flat, tokens, plan="block", zero_stage=3, world_size=2)
+    with remat.fake_mode():
+        model = llama(2, 64)
+    tensor_parallel(model, 2, dp_size=2)
+    with pytest.raises(
+        remat.TraceError, match="has 2 data-parallel ranks, not zero_stage=3.s world_size=4"
+    ):
+        remat.apply(model, tokens, plan="block", zero_stage=3, world_size=4)
+    remat.apply(model, tokens, plan="block", zero_stage=3, world_size=2)
+    assert remat.plan_of(model).predicted_peak_bytes > 0

@@ -1,22 +1,24 @@
-"""``remat.apply`` on a tensor-parallel model: 2 processes, gloo, CPU.
+"""``remat.apply`` on a tensor-parallel model: 2 processes, gloo, CPU; and TP x FSDP2 on a
+2x2 mesh, 4 processes.
 
 The model is parallelized with ``parallelize_module`` first (DTensor weights, all-reduces
 after the row-wise projections), then planned and wrapped: the trace runs the parallel step
 on FakeTensors (collectives on fake tensors never leave the process). Per rank: parameters
 after each of 3 AdamW steps (attention dropout on) bitwise equal to the same parallel run
-without remat; the live-meter peak and the allocator's equal to the prediction, below the
-budget and the eager peak; and as many collectives per step as without remat (a collective
+without remat; the live-meter and allocator peaks the predicted ones (see below), below
+the budget and the eager peak; and as many collectives per step as without remat (a collective
 is never recomputed). Applied before ``parallelize_module``, the first step refuses. And
 planned ahead, on FakeTensors over a fake process group (``remat plan --tp-size``), each
 fixed plan's live-tensor peak is the one measured on the ranks.
 
-At the allocator the measured peak is the predicted one, or (in about half the runs, on rank
-0) one all-reduced activation more: a clone that the functional all-reduce made, which
-Python has already let go of (the live-storage meter, exact in every run, saw it freed) but
-gloo's worker thread still holds when the backward reaches its peak, in RMSNorm's backward
-just after an all-reduce of an input gradient. Its release races the main thread; remat does
-not yet count that window, so under gloo a TP plan's allocator figure can be one such buffer
-short of the real peak. The test asserts exactly those two outcomes, so a third fails it.
+On both meters the measured peak is the predicted one, or (in about half the runs) one
+all-reduced activation less. The prediction counts the last buffer a functional collective
+made as live from its release until the next such release: gloo's worker thread holds its
+own reference until it has finished with the collective, which can be after Python lets go,
+and the storage lives until then. Before it was counted, runs peaked one such buffer above
+the prediction (at the allocator in about half the runs, in RMSNorm's backward after an
+all-reduce of an input gradient; on the live meter more rarely, in keep_all). The tests
+assert exactly those two outcomes, so a third fails them; the budget holds in both.
 """
 
 from __future__ import annotations
@@ -27,10 +29,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.native import tp_worker
+from tests.native import tp_fsdp_worker, tp_worker
 from tests.native.test_distributed import _free_port, assert_trained_alike
 
 WORLD = 2
+IN_FLIGHT = 4 * 128 * 64 * 4  # batch x sequence x hidden, fp32: one all-reduced activation
+
+
+def _late(predicted: int, measured: int) -> bool:
+    """The two outcomes the docstring explains: gloo released the last all-reduced buffer
+    late (as counted) or had already let it go."""
+    return predicted - measured in (0, IN_FLIGHT)
 
 
 @pytest.mark.slow
@@ -43,13 +52,34 @@ def test_tensor_parallel_bitwise_and_predicted_per_rank(tmp_path: Path, monkeypa
         assert_trained_alike(got, rank)
         ours = got["remat"]
         assert got["least"] < ours["peak"] <= got["budget"] < got["plain"]["peak"], got
-        assert ours["peak"] == got["predicted_tensors"], (rank, ours["peak"])
+        assert _late(got["predicted_tensors"], ours["peak"]), (rank, ours, got)
+        assert _late(got["predicted"], ours["allocator"]), (rank, ours, got)
         assert got["predicted"] <= got["budget"]
-        in_flight = 4 * 128 * 64 * 4  # batch x sequence x hidden, fp32: one all-reduced output
-        assert ours["allocator"] - got["predicted"] in (0, in_flight), (rank, ours, got)
         plain_collectives, remat_collectives = got["collectives"]
         assert plain_collectives > 0 and remat_collectives == plain_collectives
         assert "parallelize_module ran after remat.apply" in got["wrong_order"]
         assert "Parallelize first, then call remat.apply" in got["wrong_order"]
-        measured, ahead = got["fixed"]
-        assert ahead == measured, (rank, ahead, measured)  # planned with no process group
+        measured, ahead = got["fixed"]  # ahead: planned with no process group
+        assert all(_late(ahead[name], measured[name]) for name in ahead), (rank, ahead, measured)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """TP x FSDP2, 4 ranks on a 2x2 mesh: bitwise, and each rank's peak predicted (the
+    module docstring's two outcomes) -- in the job, and the same ahead of it on FakeTensors
+    over a fake 2-D mesh."""
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    mp.spawn(tp_fsdp_worker.main, args=(4, str(tmp_path)), nprocs=4)
+    for rank in range(4):
+        got = torch.load(tmp_path / f"tp_fsdp_{rank}.pt")
+        assert got["solver"] == "native:exact"  # auto is checked on one mesh dimension
+        assert_trained_alike(got, rank)
+        ours = got["remat"]
+        assert got["least"] < ours["peak"] <= got["budget"] < got["plain"]["peak"], got
+        assert _late(got["predicted_tensors"], ours["peak"]), (rank, ours, got)
+        assert _late(got["predicted"], ours["allocator"]), (rank, ours, got)
+        assert got["predicted"] <= got["budget"]
+        # Ahead of the job the step is traced on FakeTensors with no source device, so its
+        # allocator figure leaves out what a CPU job's allocator also holds (the CPU random
+        # states the step forks, host memory): compare the live tensors.
+        assert got["ahead"][0] == got["predicted_tensors"], (rank, got["ahead"])

@@ -33,7 +33,8 @@ def build() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(7))
 
 
-def parallelize(model: nn.Module) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Any = None) -> nn.Module:
+    """torchtitan's Llama layout over ``mesh`` (default: every rank, one dimension)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -50,7 +51,8 @@ def parallelize(model: nn.Module) -> nn.Module:
         plan[at + "mlp.up_proj"] = ColwiseParallel()
         plan[at + "self_attn.o_proj"] = RowwiseParallel()
         plan[at + "mlp.down_proj"] = RowwiseParallel()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     return parallelize_module(model, mesh, plan)
 
 
