@@ -301,7 +301,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, console: Console) -> int:
     """``--pp-size``: the model cut into stages (:mod:`remat.native.split`), every stage
-    planned at once (:func:`remat.plan_pipeline`), one device budget per stage."""
+    planned at once (:func:`remat.plan_pipeline`), one device budget per rank; with
+    ``--stages-per-rank V`` (Interleaved1F1B, LoopedBFS) ``pp_size x V`` stages."""
     if executor != "sac":
         console.print("[red]remat plan: --pp-size plans remat.apply's executor: use --executor sac")
         return 2
@@ -319,8 +320,9 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
         )
         return 2
     t0 = time.perf_counter()
+    per_rank = args.stages_per_rank
     try:
-        stages = causal_lm_stages(built.model, args.pp_size)
+        stages = causal_lm_stages(built.model, args.pp_size * per_rank)
         micro = tokens[: tokens.shape[0] // microbatches]
         dtype = next(built.model.parameters()).dtype
         inputs = [stage_example(s, micro, dtype) for s in stages]
@@ -328,17 +330,20 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
         console.print(f"[red]remat plan: {e}")
         return 2
     console.print(
-        f"[bold]{built.description}[/]: {args.pp_size} stages (layers per stage: "
+        f"[bold]{built.description}[/]: {len(stages)} stages on {args.pp_size} ranks "
+        "(layers per stage: "
         f"{', '.join(str(len(s.layers)) for s in stages)}), {args.pp_schedule}, "
         f"{microbatches} microbatches of {micro.shape[0]}; {args.precision}, {args.optimizer}, "
-        f"profile {args.device}, budget {args.budget_gb} GB per stage's device"
+        f"profile {args.device}, budget {args.budget_gb} GB per rank's device"
     )
     console.print(f"executor: {EXECUTORS[executor]}")
     progress = console.status("planning...")
     with progress:
         try:
             req = _request(args, lambda msg: progress.update(f"planning: {msg}"))
-            req = dataclasses.replace(req, block_types=("layers.*",))  # one layer a stage too
+            # One layer a stage too; a rank of several stages plans them as one ModuleList.
+            blocks = ("layers.*", "*.layers.*")
+            req = dataclasses.replace(req, block_types=blocks)
             planned = plan_pipeline(
                 stages,
                 inputs,
@@ -346,21 +351,23 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
                 microbatches=microbatches,
                 loss_fn=_next_token_loss,
                 target=micro,
+                stages_per_rank=per_rank,
                 request=req,
             )
         except (ValueError, TraceError) as e:
             console.print(f"[red]remat plan: {e}")
             return 1
     console.print(planned.summary(), end="")
-    for stage in stages:
-        plan = applied(stage).plan
-        console.print(f"stage {stages.index(stage)}: {plan.solver}, {plan.reason}")
+    what = "stage" if per_rank == 1 else "rank"
+    for r, module in enumerate(planned.modules):
+        plan = applied(module).plan
+        console.print(f"{what} {r}: {plan.solver}, {plan.reason}")
     console.print(f"wall time {time.perf_counter() - t0:.1f} s")
     if args.save:
         root = Path(args.save)
-        for i, stage in enumerate(stages):
-            saved = save_plan(stage, root.with_name(f"{root.stem}.stage{i}{root.suffix}"))
-            console.print(f"stage {i}'s plan written to {saved}")
+        for r, module in enumerate(planned.modules):
+            path = root.with_name(f"{root.stem}.{what}{r}{root.suffix}")
+            console.print(f"{what} {r}'s plan written to {save_plan(module, path)}")
     return 0
 
 
@@ -819,7 +826,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pipeline stages (Llama-family models; --executor sac): the layers split evenly, "
         "each stage planned for a rank of its own over a whole schedule step",
     )
-    p.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule: 1F1B or GPipe")
+    p.add_argument(
+        "--pp-schedule",
+        default="1F1B",
+        help="pipeline schedule: 1F1B, GPipe; with --stages-per-rank, Interleaved1F1B or LoopedBFS",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        help="stages on each pipeline rank (multi-stage schedules): --pp-size x this stages",
+    )
     p.add_argument(
         "--microbatches",
         type=int,

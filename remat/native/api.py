@@ -203,6 +203,7 @@ def apply(
         solution.trace.scratch,
         solution.trace.schedule,
         _times(problem.baseline),
+        problem.baseline.schedule,
     )
     return model
 

@@ -160,6 +160,9 @@ class Action:
     """Microbatches whose forward has run and backward not, when this action starts."""
     peak_bytes: int
     """Live tensor bytes at their highest during the action (the live-storage meter's)."""
+    time_s: float = 0.0
+    """Estimated time of the action's ops (a backward's recompute included), on the
+    profile the stage was traced for."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class Applied:
     eager_times_s: tuple[float, float] = (0.0, 0.0)
     """Estimated forward and backward time of one step (a pipeline stage: one microbatch)
     with every block eager."""
+    eager_schedule: ScheduleTrace | None = None
+    """For a pipeline stage, its traced ``schedule.step()`` with every block eager."""
 
 
 def applied(model: nn.Module) -> Applied:

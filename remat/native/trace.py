@@ -275,7 +275,7 @@ class _Recorder(LiveMemoryMeter):
         if in_block_forward:
             self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
         costed = (args, kwargs, out)
-        if any(tc.is_dtensor(t) for t in tc.tree_leaves(costed)):
+        if any(tc.is_dtensor(t) for t in tc.tensor_leaves(costed)):
             costed = tc.local_tensors(costed)  # tensor parallel: FLOPs of this rank's shards
         flops, moved, dtype = op_cost(func, *costed, (in_tensors, outs))
         time_s = self.profile.op_time(flops, moved, dtype)
@@ -758,10 +758,12 @@ class FakeModel:
                 overall[0] = max(overall[0], recorder.peak_bytes)
                 recorder.peak_bytes = recorder.live_bytes
                 before = sum(x.kind == "F" for x in actions) - sum(x.kind == "B" for x in actions)
+                first = len(recorder.rows)
                 try:
                     return run(mb, *a, **k)
                 finally:
-                    actions.append(Action(kind, mb, index, before, recorder.peak_bytes))
+                    took = sum(r["time_s"] for r in recorder.rows[first:])
+                    actions.append(Action(kind, mb, index, before, recorder.peak_bytes, took))
                     recorder.peak_bytes = max(overall[0], recorder.peak_bytes)
 
             return action

@@ -128,6 +128,12 @@ def test_cli_plans_every_stage_of_a_pipeline(
     recompute = [float(r[4]) for r in rows]
     assert recompute[0] > 0 == recompute[1], out
     assert "bubble share" in out and f"{tmp_path}/plan.stage1.json" in out.replace("\n", "")
+    interleaved = ["--set", "num_hidden_layers=4", "--pp-schedule", "Interleaved1F1B",
+                   "--stages-per-rank", "2", "--budget-gb", "0.01", "--save", save]  # fmt: skip
+    assert main(["plan", *pp, *interleaved]) == 0, capsys.readouterr()
+    out = " ".join(capsys.readouterr().out.split())
+    assert "4 stages on 2 ranks" in out and "│ 0 (0, 2) │" in out and "│ 1 (1, 3) │" in out
+    assert f"{tmp_path}/plan.rank1.json" in out.replace(" ", "")
     assert main(["plan", *pp, "--tp-size", "2"]) == 2
     assert "--pp-size with --tp-size" in capsys.readouterr().out
     assert main(["plan", *pp, "--microbatches", "3"]) == 2

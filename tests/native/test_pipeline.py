@@ -219,3 +219,47 @@ def test_a_stage_that_cannot_fit_unwraps_those_planned_before_it() -> None:
         assert not list(remat.native.regions.iter_regions(stage))
     with pytest.raises(ValueError, match="1 stage budgets for 2 stages"):
         remat.plan_pipeline(stages, xs, stage_budgets=[None], **plan)  # type: ignore[arg-type]
+
+
+def test_a_multi_stage_schedule_is_planned_rank_by_rank(tmp_path: Path) -> None:
+    """Interleaved1F1B, 4 stages on 2 ranks: each rank's two stages planned together under
+    its budget; the step simulated with each rank running one action at a time, from the
+    actions' traced times; a rank's plan re-applies from its file."""
+    made, xs, target = _stages(4)
+    plan = dict(
+        schedule="Interleaved1F1B",
+        microbatches=4,
+        loss_fn=pipeline_loss,
+        target=target,
+        stages_per_rank=2,
+        block_types=("*blocks.*",),
+        device_profile="a100",
+        time_limit_s=10,
+    )
+    eager = remat.plan_pipeline(made, xs, **plan)  # type: ignore[arg-type]
+    assert [s.stages for s in eager.stages] == [(0, 2), (1, 3)]
+    assert all(isinstance(m, torch.nn.ModuleList) for m in eager.modules)
+    assert eager.timing == eager.eager_timing and eager.bubble_share > 0
+    busy = [sum(a.time_s for a in applied(m).schedule.actions) for m in eager.modules]  # type: ignore[union-attr]
+    assert eager.timing.busy_s == pytest.approx(busy)
+    budget = min(s.eager_peak_bytes for s in eager.stages) - 1
+    stages = _stages(4)[0]
+    ours = remat.plan_pipeline(stages, xs, stage_budgets=[budget] * 2, **plan)  # type: ignore[arg-type]
+    assert all(s.peak_bytes <= budget for s in ours.stages)
+    assert sum(s.recompute_s for s in ours.stages) > 0
+    assert ours.step_s > ours.eager_timing.step_s == eager.step_s
+    assert "rank (stages)" in ours.summary() and "0 (0, 2)" in ours.summary()
+    remat.save_plan(ours.modules[1], tmp_path / "rank1.json")
+    fresh = torch.nn.ModuleList([GPTStage(1, 4, layers=1), GPTStage(3, 4, layers=1)])
+    pipe = remat.Pipeline("Interleaved1F1B", 1, 4, 4, loss_fn=pipeline_loss, stages_per_rank=2)
+    remat.apply(
+        fresh,
+        (xs[1], xs[3]),
+        pipeline=pipe,
+        target=target,
+        plan=str(tmp_path / "rank1.json"),
+        block_types=("*blocks.*",),
+        device_profile="a100",
+    )
+    assert applied(fresh).policies == applied(ours.modules[1]).policies
+    assert applied(fresh).plan.predicted_peak_bytes == ours.stages[1].peak_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from remat.solver.stages import StageTimes, simulate_pipeline
+from remat.solver.stages import RankAction, StageTimes, simulate_pipeline, simulate_ranks
 
 
 def _gpipe(stages: int, mbs: int) -> list[list[tuple[str, int]]]:
@@ -50,3 +50,19 @@ def test_orders_that_wait_forever_are_refused() -> None:
     orders = [[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]]
     with pytest.raises(ValueError, match="cannot all run"):
         simulate_pipeline(orders, [StageTimes(1.0, 1.0)] * 2)
+
+
+def test_a_rank_holding_two_stages_runs_one_action_at_a_time() -> None:
+    """Looped BFS, 2 ranks x 2 stages (rank r holds stages r and r + 2), 2 microbatches,
+    F = 1 and B = 2 on every stage: worked by hand, the step is 15 and each rank is busy 12
+    (4 forwards, 4 backwards) -- rank 0 waits for rank 1's stages 1 and 3 in between."""
+
+    def rank(r: int) -> list[RankAction]:
+        loop = [(s, "F", m) for s in (r, r + 2) for m in (0, 1)]
+        loop += [(s, "B", m) for s in (r + 2, r) for m in (0, 1)]
+        return [RankAction(s, k, m, 1.0 if k == "F" else 2.0) for s, k, m in loop]
+
+    timing = simulate_ranks([rank(0), rank(1)])
+    assert timing.step_s == 15.0
+    assert timing.busy_s == (12.0, 12.0)
+    assert timing.bubble_share == pytest.approx(6 / 30)
