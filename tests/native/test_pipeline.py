@@ -228,7 +228,7 @@ def test_a_multi_stage_schedule_is_planned_rank_by_rank(tmp_path: Path) -> None:
     made, xs, target = _stages(4)
     plan = dict(
         schedule="Interleaved1F1B",
-        microbatches=4,
+        microbatches=2,
         loss_fn=pipeline_loss,
         target=target,
         stages_per_rank=2,
@@ -251,7 +251,7 @@ def test_a_multi_stage_schedule_is_planned_rank_by_rank(tmp_path: Path) -> None:
     assert "rank (stages)" in ours.summary() and "0 (0, 2)" in ours.summary()
     remat.save_plan(ours.modules[1], tmp_path / "rank1.json")
     fresh = torch.nn.ModuleList([GPTStage(1, 4, layers=1), GPTStage(3, 4, layers=1)])
-    pipe = remat.Pipeline("Interleaved1F1B", 1, 4, 4, loss_fn=pipeline_loss, stages_per_rank=2)
+    pipe = remat.Pipeline("Interleaved1F1B", 1, 4, 2, loss_fn=pipeline_loss, stages_per_rank=2)
     remat.apply(
         fresh,
         (xs[1], xs[3]),
