@@ -125,11 +125,11 @@ def main(rank: int, world: int, out: str) -> None:
         collectives = _collectives(model, tokens)
         plain = _train(model, tokens, rank)
         try:
-            remat.apply(copy.deepcopy(work), tokens, activation_budget_bytes=1)
+            remat.apply(copy.deepcopy(work), tokens, activation_budget_bytes=1, solver="exact")
         except remat.BudgetError as e:
             least = e.least_peak_bytes
         budget = (least + plain["peak"]) // 2  # half-way between least and eager, this rank
-        remat.apply(work, tokens, activation_budget_bytes=budget)
+        remat.apply(work, tokens, activation_budget_bytes=budget, solver="exact")
         plan = remat.plan_of(work)
         torch.save(
             {
