@@ -217,7 +217,9 @@ class _Recorder(LiveMemoryMeter):
         until then (the live-storage meter of a real step sees it, as the allocator does).
         Measured under gloo (TP on 2 ranks, TP x FSDP2 on 4): in about half the runs one
         all-reduced activation was still allocated at the step's peak, several ops after its
-        last use; never two. So one is counted: the last freed, until the next is."""
+        last use. So one is counted: the last freed, until the next is. With the host's
+        cores oversubscribed the thread can lag further (one run held two at the allocator's
+        peak); that is not counted (``tests/native/test_tensor_parallel.py``)."""
         if self._tracked.get(key) == nbytes and key in self.names:
             name = self.names.pop(key)
             self.deaths[name] = len(self.rows)
