@@ -243,7 +243,8 @@ class _Recorder(LiveMemoryMeter):
             out = args[0]
         else:
             out = func(*args, **kwargs)
-        in_tensors, outs = tc.storage_tensors((args, kwargs)), tc.storage_tensors(out)
+        leaves = tc.tensor_leaves((args, kwargs)), tc.tensor_leaves(out)
+        in_tensors, outs = tc.storage_tensors(leaves[0]), tc.storage_tensors(leaves[1])
         self._count(in_tensors, outs)
         new_bytes = self.live_bytes - before
         ins = {tc.storage_key(t) for t in in_tensors}
@@ -277,7 +278,7 @@ class _Recorder(LiveMemoryMeter):
         if in_block_forward:
             self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
         costed = (args, kwargs, out)
-        if any(tc.is_dtensor(t) for t in tc.tensor_leaves(costed)):
+        if any(tc.is_dtensor(t) for ts in leaves for t in ts):
             costed = tc.local_tensors(costed)  # tensor parallel: FLOPs of this rank's shards
         flops, moved, dtype = op_cost(func, *costed, (in_tensors, outs))
         time_s = self.profile.op_time(flops, moved, dtype)

@@ -30,6 +30,7 @@ pass the predicted one by the buffers gloo has yet to release (seen: at most one
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -48,19 +49,25 @@ def _late(predicted: int, measured: int, more: int = 0) -> bool:
     return predicted - measured in {IN_FLIGHT * k for k in range(-more, 2)}
 
 
+def _assert_rank(got: dict[str, Any], rank: int) -> None:
+    """What both checks hold per rank: trained bitwise, the planned peak between the least
+    and the budget, below eager, and measured as predicted (:func:`_late`)."""
+    assert got["solver"] == "native:exact"  # auto under TP: test_parallel.py, no processes
+    assert_trained_alike(got, rank)
+    ours = got["remat"]
+    assert got["least"] < ours["peak"] <= got["budget"] < got["plain"]["peak"], got
+    assert _late(got["predicted_tensors"], ours["peak"]), (rank, ours, got)
+    assert _late(got["predicted"], ours["allocator"], more=2), (rank, ours, got)
+    assert got["predicted"] <= got["budget"]
+
+
 @pytest.mark.slow
 def test_tensor_parallel_bitwise_and_predicted_per_rank(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     mp.spawn(tp_worker.main, args=(WORLD, str(tmp_path)), nprocs=WORLD)
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"tp_{rank}.pt")
-        assert got["solver"] == "native:exact"  # auto under TP: test_parallel.py, no processes
-        assert_trained_alike(got, rank)
-        ours = got["remat"]
-        assert got["least"] < ours["peak"] <= got["budget"] < got["plain"]["peak"], got
-        assert _late(got["predicted_tensors"], ours["peak"]), (rank, ours, got)
-        assert _late(got["predicted"], ours["allocator"], more=2), (rank, ours, got)
-        assert got["predicted"] <= got["budget"]
+        _assert_rank(got, rank)
         plain_collectives, remat_collectives = got["collectives"]
         assert plain_collectives > 0 and remat_collectives == plain_collectives
         assert "parallelize_module ran after remat.apply" in got["wrong_order"]
@@ -78,13 +85,7 @@ def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(tmp_path: Path, monkeypatch) ->
     mp.spawn(tp_fsdp_worker.main, args=(4, str(tmp_path)), nprocs=4)
     for rank in range(4):
         got = torch.load(tmp_path / f"tp_fsdp_{rank}.pt")
-        assert got["solver"] == "native:exact"
-        assert_trained_alike(got, rank)
-        ours = got["remat"]
-        assert got["least"] < ours["peak"] <= got["budget"] < got["plain"]["peak"], got
-        assert _late(got["predicted_tensors"], ours["peak"]), (rank, ours, got)
-        assert _late(got["predicted"], ours["allocator"], more=2), (rank, ours, got)
-        assert got["predicted"] <= got["budget"]
+        _assert_rank(got, rank)
         # Ahead of the job the step is traced on FakeTensors with no source device, so its
         # allocator figure leaves out what a CPU job's allocator also holds (the CPU random
         # states the step forks, host memory): compare the live tensors.
