@@ -111,8 +111,8 @@ class Plan:
         sim = self.simulation
         overhead = sim.recompute_time_s / sim.step_time_s if sim.step_time_s else 0.0
         return (
-            f"plan {self.solver!r}: predicted peak {_fmt_bytes(sim.peak_bytes)} "
-            f"(at {sim.peak_step}); saved for backward {_fmt_bytes(sim.saved_bytes)} "
+            f"plan {self.solver!r}: predicted peak {fmt_bytes(sim.peak_bytes)} "
+            f"(at {sim.peak_step}); saved for backward {fmt_bytes(sim.saved_bytes)} "
             f"in {len(self.schedule.saved)} values; {len(self.schedule.recomputed)} ops "
             f"recomputed, {sim.recompute_flops / 1e9:.3f} GFLOP, "
             f"{overhead:.1%} of the estimated step time; {self.proof_text}. {self.reason}"
@@ -182,7 +182,8 @@ def proven(plan: Plan) -> Proof:
     return plan.proof
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """Binary units at one decimal (``1.5 MiB``), for progress lines and plan summaries."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

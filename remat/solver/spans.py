@@ -32,7 +32,7 @@ from remat.problem import Problem
 from remat.solver.backend import backend, objective_scale
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import Lifetimes, executor_of
-from remat.solver.plan import Plan, Proof, make_plan, proven
+from remat.solver.plan import Plan, Proof, fmt_bytes, make_plan, proven
 
 ROUNDS = 8
 """Solves per call, each for a budget smaller by the last plan's simulated excess."""
@@ -224,8 +224,8 @@ def solve_spans(
         if config.progress:
             config.progress(
                 f"{name} round {round_ + 1}: simulated peak "
-                f"{min(p.predicted_peak_bytes for p in plans) / 2**30:.3f} GiB for a budget of "
-                f"{budget_bytes / 2**30:.3f} GiB (the model's {target / 2**30:.3f} GiB)"
+                f"{fmt_bytes(min(p.predicted_peak_bytes for p in plans))} for a budget of "
+                f"{fmt_bytes(budget_bytes)} (the model's {fmt_bytes(target)})"
             )
         if fitting:
             return min(fitting, key=lambda p: (p.recompute_time_s, p.predicted_peak_bytes))

@@ -3,10 +3,11 @@
 Planned per stage, the peak of a whole ``schedule.step()`` (every microbatch in flight):
 traced through PyTorch's own schedule on a fake process group, in one process. Checked
 against 2 gloo processes under 1F1B (one stage each, every block recomputed) and
-Interleaved1F1B (2 stages each, 4 in all, ``auto`` under a budget): parameters after 3 AdamW steps (dropout on) bitwise
-those of the same pipeline without remat; the traced action order the one the ranks ran;
-the first step's live-storage peak equal to the prediction, and the allocator's within
-max(1%, 64 KiB) and below the budget.
+Interleaved1F1B (2 stages each, 4 in all, ``auto`` under a budget): parameters after 3 AdamW
+steps (dropout on) bitwise those of the same pipeline without remat; the traced action order
+the one the ranks ran; the first step's live-storage peak equal to the prediction, and the
+allocator's within max(1%, 64 KiB) and below the budget. And PP x TP, 4 processes on a 2x2
+mesh, each stage tensor-parallel over 2 ranks and planned with ``exact`` in the job.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import torch.multiprocessing as mp
 
 import remat
 from remat.native.state import Applied, applied
-from tests.checks import assert_peak_close
-from tests.native import pp_worker
+from tests.checks import assert_peak_close, gloo_late
+from tests.native import pp_tp_worker, pp_worker
 from tests.native.test_distributed import _free_port, assert_trained_alike
-from tests.zoo import GPTStage, pipeline_loss, stage_inputs
+from tests.zoo import PIPELINE_SEQ, GPTStage, pipeline_loss, stage_inputs
 
 WORLD = 2
 
@@ -46,6 +47,30 @@ def test_each_stage_bitwise_and_predicted(tmp_path: Path, monkeypatch) -> None: 
             assert got["order"] == got["remat"]["order"] == got["plain"]["order"], what
             if name == "1F1B":
                 assert got["in_flight"] == WORLD - rank, (what, got["order"])
+
+
+@pytest.mark.slow
+def test_pipeline_stages_under_tensor_parallelism(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """PP x TP, 4 ranks on a 2x2 ``("pp", "tp")`` mesh: each stage of the zoo's Llama
+    parallelized over its row, planned in the job under 90% of its eager peak over a 1F1B
+    step. Per rank: bitwise, the planned peak under the budget, and measured as predicted up
+    to gloo's late release of an all-reduced activation (``test_tensor_parallel.py``: the
+    live meter at one of its two outcomes, the allocator from one below to two above)."""
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    mp.spawn(pp_tp_worker.main, args=(4, str(tmp_path)), nprocs=4)
+    buffer = pp_tp_worker.MICROBATCH * PIPELINE_SEQ * 64 * 4  # one all-reduced activation
+    for rank in range(4):
+        got = torch.load(tmp_path / f"pp_tp_{rank}.pt")
+        stage = rank // 2
+        assert got["solver"] == "native:exact", got["reason"]
+        assert_trained_alike(got, rank)
+        assert got["in_flight"] == pp_tp_worker.STAGES - stage
+        assert got["predicted"] <= got["budget"] < got["eager"], got
+        (tensors, allocator), *later = got["remat"]["peaks"]
+        assert gloo_late(got["predicted_tensors"], tensors, buffer), (rank, tensors, got)
+        assert gloo_late(got["predicted"], allocator, buffer, more=2), (rank, allocator, got)
+        assert all(t <= tensors + buffer for t, _ in later), (rank, later)
+        assert tensors < got["plain"]["peaks"][0][0], (rank, got["plain"]["peaks"])
 
 
 def _plan_stage(stage: int, n_stages: int, schedule: str, budget: int | None) -> Applied:
@@ -88,6 +113,27 @@ def test_looped_bfs_runs_each_stage_of_a_rank_breadth_first() -> None:
     order = state.schedule.order.split()
     assert order[:8] == [f"{s}F{m}" for s in (0, 2) for m in range(4)], order
     assert state.schedule.max_in_flight == 8
+
+
+def test_exact_sizes_a_stage_by_the_microbatches_it_holds() -> None:
+    """exact solves one microbatch's dataflow; stage 0 of 1F1B holds 2 at its peak, so a
+    traced plan over the budget is solved again for half the excess per microbatch (it took
+    6 plans over the budget when the whole excess came off one microbatch's target)."""
+    x, _ = stage_inputs(0)
+    pipe = remat.Pipeline("1F1B", 0, 2, 4, loss_fn=pipeline_loss)
+    probe = remat.apply(GPTStage(0, 2), x, pipeline=pipe, plan="keep_all")
+    eager = remat.plan_of(probe).predicted_peak_bytes
+    model = GPTStage(0, 2)
+    over: list[str] = []
+    budget = int(0.9 * eager)
+    remat.apply(
+        model, x, pipeline=pipe, activation_budget_bytes=budget, solver="exact",
+        progress=lambda line: over.extend([line] if "over the budget" in line else []),
+    )  # fmt: skip
+    plan = remat.plan_of(model)
+    assert plan.solver == "native:exact" and plan.reason.endswith("traced"), plan.reason
+    assert plan.predicted_peak_bytes <= budget
+    assert len(over) <= 2, over
 
 
 def test_split_backward_schedules_are_refused_naming_those_that_run() -> None:

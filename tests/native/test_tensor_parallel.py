@@ -36,6 +36,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.checks import gloo_late
 from tests.native import tp_fsdp_worker, tp_worker
 from tests.native.test_distributed import _free_port, assert_trained_alike
 
@@ -44,9 +45,7 @@ IN_FLIGHT = 4 * 128 * 64 * 4  # batch x sequence x hidden, fp32: one all-reduced
 
 
 def _late(predicted: int, measured: int, more: int = 0) -> bool:
-    """The outcomes the module docstring explains: the predicted peak, one counted buffer
-    below it (gloo had already let it go), or up to ``more`` uncounted buffers above it."""
-    return predicted - measured in {IN_FLIGHT * k for k in range(-more, 2)}
+    return gloo_late(predicted, measured, IN_FLIGHT, more)
 
 
 def _assert_rank(got: dict[str, Any], rank: int) -> None:

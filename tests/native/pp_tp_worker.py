@@ -1,0 +1,122 @@
+"""One rank of the PP x TP check (spawned by ``test_pipeline.py``).
+
+Four ranks on a 2x2 mesh, ``("pp", "tp")``: the zoo's Llama cut into 2 pipeline stages
+(:func:`remat.native.split.causal_lm_stages`), each stage parallelized over its row's
+``"tp"`` ranks with torchtitan's Llama layout, and stepped by 1F1B over the ``"pp"``
+dimension's group. Once trained as is, once after ``remat.apply(..., pipeline=...)`` on the
+parallel stage (after ``parallelize_module``), from the same weights, batch and random
+streams. The first step's peaks are measured (live-storage meter and allocator, one run).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import remat
+from remat.meter import peaks_of
+from remat.native.parallel import llama_tp_plan
+from remat.native.split import causal_lm_stages
+from remat.native.state import applied
+from tests.zoo import PIPELINE_SEQ, llama, pipeline_loss, stage_inputs
+
+STEPS = 3
+MICROBATCHES = 2
+MICROBATCH = 2
+STAGES = 2
+
+
+def build(stage: int) -> nn.Module:
+    """Stage ``stage`` of the zoo's Llama (4 layers, attention dropout), the same weights on
+    every rank."""
+    torch.manual_seed(0)
+    return causal_lm_stages(llama(4, PIPELINE_SEQ).train(), STAGES)[stage]
+
+
+def _train(module: nn.Module, stage: int, group: Any, rank: int) -> dict[str, Any]:
+    """3 AdamW steps through 1F1B; the parameters after each (their tensor-parallel shards)
+    and each step's peaks."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    x, _ = stage_inputs(stage, MICROBATCH)
+    with torch.no_grad():
+        y = module(x)
+    last = stage == STAGES - 1
+    pipe_stage = PipelineStage(
+        module,
+        stage,
+        STAGES,
+        torch.device("cpu"),
+        input_args=(x,),
+        output_args=(y,),
+        output_grads=(None if last else y,),
+        input_grads=(None if stage == 0 else x,),
+        group=group,
+    )
+    schedule = Schedule1F1B(pipe_stage, n_microbatches=MICROBATCHES, loss_fn=pipeline_loss)
+    tokens, _ = stage_inputs(0, MICROBATCH * MICROBATCHES)
+    _, targets = stage_inputs(STAGES - 1, MICROBATCH * MICROBATCHES)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    params, peaks = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(1000 * (rank + 1) + step)
+        if stage == 0:
+            peaks.append(peaks_of(lambda: schedule.step(tokens)))
+        else:
+            peaks.append(peaks_of(lambda: schedule.step(target=targets, losses=[])))
+        opt.step()
+        params.append({n: _local(p).clone() for n, p in module.named_parameters()})
+    return {"params": params, "peaks": peaks}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p.detach()  # DTensor under TP
+
+
+def main(rank: int, world: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (STAGES, world // STAGES), mesh_dim_names=("pp", "tp"))
+        stage = mesh.get_coordinate()[0]  # type: ignore[index]
+        model = build(stage)
+        parallelize_module(model, mesh["tp"], llama_tp_plan(model, mesh["tp"].size()))
+        work = copy.deepcopy(model)
+        group = mesh["pp"].get_group()
+        plain = _train(model, stage, group, rank)
+        pipe = remat.Pipeline("1F1B", stage, STAGES, MICROBATCHES, loss_fn=pipeline_loss)
+        x, target = stage_inputs(stage, MICROBATCH)
+        kw: dict[str, Any] = {"pipeline": pipe, "target": target if pipe.last else None}
+        probe = remat.apply(copy.deepcopy(work), x, plan="keep_all", **kw)
+        eager = remat.plan_of(probe).predicted_peak_bytes
+        budget = int(0.9 * eager)
+        remat.apply(work, x, activation_budget_bytes=budget, solver="exact", **kw)
+        state = applied(work)
+        assert state.schedule is not None
+        torch.save(
+            {
+                "plain": plain,
+                "remat": _train(work, stage, group, rank),
+                "eager": eager,
+                "budget": budget,
+                "predicted": state.plan.predicted_peak_bytes,
+                "predicted_tensors": state.plan.predicted_tensor_peak_bytes,
+                "in_flight": state.schedule.max_in_flight,
+                "solver": state.plan.solver,
+                "reason": state.plan.reason,
+            },
+            Path(out) / f"pp_tp_{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
