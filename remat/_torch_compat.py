@@ -292,7 +292,7 @@ class FakeWorld:
 
     _worlds = 0
     _of: weakref.WeakKeyDictionary[torch.nn.Module, FakeWorld] = weakref.WeakKeyDictionary()
-    """Models parallelized on a fake world (:func:`tensor_parallel_fake`) -> that world."""
+    """Modules parallelized on a fake world (:func:`tensor_parallel_fake`) -> that world."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
         import torch.distributed as dist
@@ -301,8 +301,9 @@ class FakeWorld:
 
         self.world_size = world_size
         self.mesh: Any = None
-        """The 2-D ``("dp", "tp")`` mesh of a tensor-parallel model FSDP2 will shard over the
-        data-parallel dimension (:func:`tensor_parallel_fake` with ``dp_size``); else None."""
+        """The named mesh of a tensor-parallel model with other dimensions besides ``"tp"``
+        (:func:`tensor_parallel_fake`): ``"pp"`` for its pipeline stages, ``"dp"`` for FSDP2
+        to shard over; else None."""
         # Group names come from the world's group count and are registered process-wide:
         # start far from the job's own (which count from 0).
         FakeWorld._worlds += 1
@@ -315,6 +316,21 @@ class FakeWorld:
                 dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         finally:
             sys.excepthook = hook
+
+    def dim(self, name: str) -> Any:
+        """The 1-D mesh of :attr:`mesh`'s dimension ``name``, or None where it has none."""
+        if self.mesh is None or name not in (self.mesh.mesh_dim_names or ()):
+            return None
+        with self.active():
+            return self.mesh[name]
+
+    def coordinate(self, name: str) -> int:
+        """This world's rank's index along dimension ``name`` of :attr:`mesh` (0 without)."""
+        if self.mesh is None or name not in (self.mesh.mesh_dim_names or ()):
+            return 0
+        with self.active():
+            coordinate = self.mesh.get_coordinate()
+        return int(coordinate[self.mesh.mesh_dim_names.index(name)])
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -359,31 +375,43 @@ def tensor_parallel_fake(
     tp_size: int,
     plan: Callable[[torch.nn.Module], dict[str, Any]],
     dp_size: int = 1,
+    pp_size: int = 1,
+    pp_rank: int = 0,
 ) -> FakeWorld:
     """``parallelize_module(model, mesh, plan(model))`` over ``tp_size`` ranks of a fresh
-    fake world (rank 0's shard of every weight; collectives return at once). ``model`` is a
-    FakeTensor model (:func:`remat.fake_mode`); :func:`fake_world_of` finds the world again,
-    so its step can be traced with the mesh's process group registered. ``dp_size > 1``: the
-    world holds ``dp_size x tp_size`` ranks on a 2-D ``("dp", "tp")`` mesh, the model is
-    parallelized over its ``"tp"`` dimension and FSDP2 later shards over ``"dp"``
-    (:func:`fully_shard_blocks` with the world's ``mesh``), as torchtitan builds TP x FSDP."""
+    fake world (the first rank's shard of every weight; collectives return at once).
+    ``model`` is a FakeTensor model (:func:`remat.fake_mode`); :func:`fake_world_of` finds
+    the world again from its parameters, so its step can be traced with the mesh's process
+    groups registered. Other dimensions, as torchtitan lays them out, outermost first:
+    ``pp_size > 1``, the model is pipeline stage (or rank) ``pp_rank`` of ``pp_size``,
+    whose p2p runs over the mesh's ``"pp"`` dimension; ``dp_size > 1``, FSDP2 later shards
+    over ``"dp"`` (:func:`fully_shard_blocks` with the world's ``"dp"`` mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     mode = fake_mode_of(model)
     if mode is None:
         raise ValueError("tensor_parallel_fake needs a FakeTensor model (remat.fake_mode())")
-    world = FakeWorld(tp_size * dp_size)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pipeline rank {pp_rank} is not one of {pp_size}")
+    dims = [(n, k) for n, k in (("pp", pp_size), ("dp", dp_size)) if k > 1]
+    world = FakeWorld(pp_size * dp_size * tp_size, rank=pp_rank * dp_size * tp_size)
     device = next((t.device.type for t in model.parameters()), "cpu")
     with world.active():
-        if dp_size > 1:
-            world.mesh = init_device_mesh(device, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        if dims:
+            dims.append(("tp", tp_size))
+            names = tuple(n for n, _ in dims)
+            world.mesh = init_device_mesh(device, tuple(k for _, k in dims), mesh_dim_names=names)
             mesh = world.mesh["tp"]
         else:
             mesh = init_device_mesh(device, (tp_size,))
         with mode:
             parallelize_module(model, mesh, plan(model))
-    FakeWorld._of[model] = world
+    # The model and the modules it sharded: not every module, as modules without weights
+    # can be shared between stages parallelized on different worlds (rotary embeddings).
+    for m in model.modules():
+        if m is model or any(is_dtensor(p) for p in m.parameters(recurse=False)):
+            FakeWorld._of[m] = world
     return world
 
 
@@ -405,8 +433,18 @@ def data_parallel_mesh(tp_mesh: Any) -> Any:
 
 
 def fake_world_of(model: torch.nn.Module) -> FakeWorld | None:
-    """The fake world ``model`` was parallelized on (:func:`tensor_parallel_fake`), if any."""
-    return FakeWorld._of.get(model)
+    """The fake world ``model`` was parallelized on (:func:`tensor_parallel_fake`), if any:
+    that of any of its modules, so a module list of stages parallelized together finds it
+    too. (Not from the parameters' mesh: meshes of equal shape compare equal across
+    worlds, and DTensor's sharding caches hand one world's mesh to another's tensors.)
+    Modules of different fake worlds: a ValueError."""
+    worlds = {id(w): w for m in model.modules() if (w := FakeWorld._of.get(m)) is not None}
+    if len(worlds) > 1:
+        raise ValueError(
+            "the model's modules were parallelized on different fake process groups: "
+            "parallelize a rank's modules together, in one tensor_parallel call"
+        )
+    return next(iter(worlds.values()), None)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -644,11 +682,13 @@ def static_pipeline_stage(
     device: torch.device,
     inputs: tuple[torch.Tensor, ...],
     outputs: tuple[torch.Tensor, ...],
+    group: Any = None,
 ) -> Any:
     """A ``PipelineStage`` told every shape it sends and receives (one microbatch's inputs
     and outputs, and their gradients), so it never exchanges metadata with its neighbours:
     on a fake process group, whose object collectives do not work, that is how a stage runs
-    at all. Integer inputs (token ids) have no gradient."""
+    at all. Integer inputs (token ids) have no gradient. ``group``: the pipeline's (None:
+    the default)."""
     from torch.distributed.pipelining import PipelineStage
 
     last = stage_index == n_stages - 1
@@ -663,6 +703,7 @@ def static_pipeline_stage(
         input_grads=tuple(
             None if stage_index == 0 or not t.is_floating_point() else t for t in inputs
         ),
+        group=group,
     )
 
 

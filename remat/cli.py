@@ -56,7 +56,7 @@ from remat.native.planner import fixed as native_fixed
 from remat.native.planner import solve as native_solve
 from remat.native.regions import find_blocks
 from remat.native.report import explain_applied
-from remat.native.split import causal_lm_stages, stage_example
+from remat.native.split import CausalLMStage, causal_lm_stages, stage_example
 from remat.native.state import applied
 from remat.native.trace import StepTrace, TraceError
 from remat.pipeline import analyze
@@ -306,12 +306,6 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
     if executor != "sac":
         console.print("[red]remat plan: --pp-size plans remat.apply's executor: use --executor sac")
         return 2
-    if args.tp_size > 1:
-        console.print(
-            "[red]remat plan: --pp-size with --tp-size cannot be planned ahead yet: plan the "
-            "stages in the job (remat.plan_pipeline on the tensor-parallel stage modules)"
-        )
-        return 2
     microbatches = args.microbatches or args.pp_size
     tokens = built.args[0] if built.args else None
     if not isinstance(tokens, torch.Tensor) or tokens.shape[0] % microbatches:
@@ -326,6 +320,8 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
         micro = tokens[: tokens.shape[0] // microbatches]
         dtype = next(built.model.parameters()).dtype
         inputs = [stage_example(s, micro, dtype) for s in stages]
+        if args.tp_size > 1:
+            _tensor_parallel_stages(stages, args, per_rank)
     except ValueError as e:
         console.print(f"[red]remat plan: {e}")
         return 2
@@ -333,7 +329,9 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
         f"[bold]{built.description}[/]: {len(stages)} stages on {args.pp_size} ranks "
         "(layers per stage: "
         f"{', '.join(str(len(s.layers)) for s in stages)}), {args.pp_schedule}, "
-        f"{microbatches} microbatches of {micro.shape[0]}; {args.precision}, {args.optimizer}, "
+        f"{microbatches} microbatches of {micro.shape[0]}"
+        f"{f', tensor parallel x {args.tp_size}' if args.tp_size > 1 else ''}; "
+        f"{args.precision}, {args.optimizer}, "
         f"profile {args.device}, budget {args.budget_gb} GB per rank's device"
     )
     console.print(f"executor: {EXECUTORS[executor]}")
@@ -369,6 +367,18 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
             path = root.with_name(f"{root.stem}.{what}{r}{root.suffix}")
             console.print(f"{what} {r}'s plan written to {save_plan(module, path)}")
     return 0
+
+
+def _tensor_parallel_stages(
+    stages: list[CausalLMStage], args: argparse.Namespace, per_rank: int
+) -> None:
+    """``--pp-size`` with ``--tp-size``: each pipeline rank's stages parallelized together
+    on a fake ``(pp, tp)`` mesh as that rank (:func:`remat.native.parallel.tensor_parallel`),
+    the first of its tensor-parallel group."""
+    for r in range(args.pp_size):
+        held = stages[r :: args.pp_size]
+        module = held[0] if per_rank == 1 else torch.nn.ModuleList(held)
+        tensor_parallel(module, args.tp_size, pp_size=args.pp_size, pp_rank=r)
 
 
 def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

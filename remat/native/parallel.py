@@ -6,8 +6,9 @@ tensor-parallel run ahead of time (``remat plan --executor sac --tp-size 8``), t
 built on FakeTensors and parallelized here over a fake process group, with the layout
 torchtitan gives Llama: attention q/k/v and the MLP's gate/up projections column-wise, the
 attention output and down projections row-wise, everything else replicated. The planned
-step is rank 0's; every rank of a tensor-parallel group runs the same shapes. With FSDP2 as
-well (``dp_size``), the ranks form one 2-D fake mesh, ``("dp", "tp")``, as in torchtitan.
+step is the first rank's of its tensor-parallel group; every rank of the group runs the same
+shapes. With FSDP2 (``dp_size``) or pipeline stages (``pp_size``) as well, the ranks form
+one fake mesh, ``("pp", "dp", "tp")`` less the dimensions of size 1, as in torchtitan.
 """
 
 from __future__ import annotations
@@ -48,15 +49,22 @@ def llama_tp_plan(model: nn.Module, tp_size: int) -> dict[str, Any]:
     return plan
 
 
-def tensor_parallel(model: nn.Module, tp_size: int, dp_size: int = 1) -> nn.Module:
+def tensor_parallel(
+    model: nn.Module, tp_size: int, dp_size: int = 1, pp_size: int = 1, pp_rank: int = 0
+) -> nn.Module:
     """``model`` (FakeTensors) parallelized in place over ``tp_size`` fake ranks with
     :func:`llama_tp_plan`; returns it. ``dp_size > 1``: for TP x FSDP2, the ranks laid out
     on a ``(dp_size, tp_size)`` mesh as torchtitan lays them (tensor parallel within a row,
     FSDP2 down a column); plan it with ``remat.apply(..., zero_stage=3, world_size=dp_size)``
-    and the trace shards it with FSDP2 over the mesh's ``"dp"`` dimension."""
+    and the trace shards it with FSDP2 over the mesh's ``"dp"`` dimension. ``pp_size > 1``:
+    ``model`` is pipeline rank ``pp_rank``'s stage (or its stages, as one module list) on a
+    ``(pp_size, tp_size)`` mesh; plan it with ``remat.apply(..., pipeline=Pipeline(...,
+    stage=pp_rank, ...))``, whose schedule then runs over the mesh's ``"pp"`` dimension."""
     if tp_size < 2:
         raise ValueError(f"tp_size must be at least 2, got {tp_size}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be at least 1, got {dp_size}")
-    tc.tensor_parallel_fake(model, tp_size, lambda m: llama_tp_plan(m, tp_size), dp_size)
+    if dp_size < 1 or pp_size < 1:
+        raise ValueError(f"dp_size and pp_size must be at least 1, got {dp_size}, {pp_size}")
+    tc.tensor_parallel_fake(
+        model, tp_size, lambda m: llama_tp_plan(m, tp_size), dp_size, pp_size, pp_rank
+    )
     return model

@@ -436,6 +436,21 @@ FSDP_PARAM_DTYPES: Mapping[str, torch.dtype] = {"bf16-fsdp": torch.bfloat16}
 """Precisions that are FSDP2's own mixed precision: the dtype its parameters are gathered in."""
 
 
+def _pipeline_group(world: tc.FakeWorld, pipeline: Pipeline) -> Any:
+    """The ``"pp"`` process group of a tensor-parallel fake world a pipeline stage was
+    parallelized on; a clear error unless the world places it where ``pipeline`` says."""
+    pp = world.dim("pp")
+    if pp is None or pp.size() != pipeline.ranks or world.coordinate("pp") != pipeline.stage:
+        raise TraceError(
+            f"this tensor-parallel model was not parallelized as pipeline rank "
+            f"{pipeline.stage} of {pipeline.ranks}: parallelize it with "
+            "remat.native.parallel.tensor_parallel(model, tp_size, "
+            f"pp_size={pipeline.ranks}, pp_rank={pipeline.stage})"
+        )
+    with world.active():
+        return pp.get_group()
+
+
 class FakeModel:
     """A copy of the user's model that steps are traced on: FakeTensors (no memory, any
     size), or with ``real=True`` real tensors, for models whose step cannot run on
@@ -498,15 +513,21 @@ class FakeModel:
         self._warm = False
         self.pipeline = pipeline
         self.target = target
+        self._pp_group: Any = None
+        """The pipeline's process group in a tensor-parallel fake world (None: the fake
+        world's default group, of the pipeline's ranks alone)."""
         if pipeline is not None:
-            if real or fsdp_world is not None or self.world is not None:
+            if real or fsdp_world is not None:
                 raise TraceError(
-                    "a pipeline stage is planned on FakeTensors and on its own: not with "
-                    "zero_stage=3 or tensor parallelism yet, and not for a model whose step "
+                    "a pipeline stage is planned on FakeTensors and without zero_stage=3: "
+                    "not with FSDP2 inside a stage yet, and not for a model whose step "
                     "cannot run on FakeTensors"
                 )
             pipeline.check_modules(model)
-            self.world = tc.FakeWorld(pipeline.ranks, rank=pipeline.stage)
+            if self.world is None:
+                self.world = tc.FakeWorld(pipeline.ranks, rank=pipeline.stage)
+            else:
+                self._pp_group = _pipeline_group(self.world, pipeline)
             with self.mode:
                 self.target = tc.tree_map(self._fake, target)
         self._sharded = fsdp_world is not None
@@ -527,10 +548,8 @@ class FakeModel:
         communication (the job's process groups take the step as it is traced)."""
         mesh = None
         if self.world is not None:  # tensor-parallel on FakeTensors
-            if self.world.mesh is not None:
-                with self.world.active():
-                    mesh = self.world.mesh["dp"]
-            size = self.world.mesh.shape[0] if self.world.mesh is not None else 1
+            mesh = self.world.dim("dp")
+            size = mesh.size() if mesh is not None else 1
         elif (tp := tc.tensor_parallel_mesh(self.module)) is not None:
             mesh = tc.data_parallel_mesh(tp)
             size = mesh.size() if mesh is not None else 1
@@ -739,7 +758,9 @@ class FakeModel:
             for module, index, ins in zip(modules, pipe.indices, per_stage, strict=True):
                 outs = tuple(t.detach() for t in output_tensors(module(*ins)))
                 stages.append(
-                    tc.static_pipeline_stage(module, index, pipe.n_stages, ins[0].device, ins, outs)
+                    tc.static_pipeline_stage(
+                        module, index, pipe.n_stages, ins[0].device, ins, outs, self._pp_group
+                    )
                 )
             batch = tuple(torch.cat([a] * n) for a in per_stage[0])  # the user's, made before
             target = None if self.target is None else torch.cat([self.target] * n)

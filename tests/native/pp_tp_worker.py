@@ -6,6 +6,9 @@ Four ranks on a 2x2 mesh, ``("pp", "tp")``: the zoo's Llama cut into 2 pipeline 
 dimension's group. Once trained as is, once after ``remat.apply(..., pipeline=...)`` on the
 parallel stage (after ``parallelize_module``), from the same weights, batch and random
 streams. The first step's peaks are measured (live-storage meter and allocator, one run).
+The plan is also re-applied ahead of the job, to the stage built on FakeTensors and
+parallelized on a fake ``(pp, tp)`` mesh as this rank (``remat plan --pp-size 2 --tp-size
+2``'s path), whose predicted peak is saved beside the job's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 
 import remat
 from remat.meter import peaks_of
-from remat.native.parallel import llama_tp_plan
+from remat.native.parallel import llama_tp_plan, tensor_parallel
 from remat.native.split import causal_lm_stages
 from remat.native.state import applied
 from tests.zoo import PIPELINE_SEQ, llama, pipeline_loss, stage_inputs
@@ -37,6 +40,17 @@ def build(stage: int) -> nn.Module:
     every rank."""
     torch.manual_seed(0)
     return causal_lm_stages(llama(4, PIPELINE_SEQ).train(), STAGES)[stage]
+
+
+def _planned_ahead(stage: int, pipe: remat.Pipeline, target: Any, plan_file: Path) -> int:
+    """The job's plan re-applied to the stage on FakeTensors, on a fake 2-D mesh; its
+    predicted live-tensor peak."""
+    with remat.fake_mode():
+        model = build(stage)
+    tensor_parallel(model, 2, pp_size=STAGES, pp_rank=stage)
+    x, _ = stage_inputs(stage, MICROBATCH)
+    remat.apply(model, x, pipeline=pipe, target=target, plan=plan_file)
+    return remat.plan_of(model).predicted_tensor_peak_bytes
 
 
 def _train(module: nn.Module, stage: int, group: Any, rank: int) -> dict[str, Any]:
@@ -104,6 +118,7 @@ def main(rank: int, world: int, out: str) -> None:
         remat.apply(work, x, activation_budget_bytes=budget, solver="exact", **kw)
         state = applied(work)
         assert state.schedule is not None
+        plan_file = remat.save_plan(work, Path(out) / f"plan_{rank}.json")
         torch.save(
             {
                 "plain": plain,
@@ -115,6 +130,7 @@ def main(rank: int, world: int, out: str) -> None:
                 "in_flight": state.schedule.max_in_flight,
                 "solver": state.plan.solver,
                 "reason": state.plan.reason,
+                "ahead": _planned_ahead(stage, pipe, kw["target"], plan_file),
             },
             Path(out) / f"pp_tp_{rank}.pt",
         )

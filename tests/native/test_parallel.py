@@ -13,6 +13,7 @@ import remat
 from remat.budget import Options
 from remat.cli import main
 from remat.native.parallel import llama_tp_plan, tensor_parallel
+from remat.native.trace import TraceError
 from remat.request import model_static_memory
 from tests.zoo import ZOO, llama
 
@@ -117,7 +118,8 @@ def test_cli_plans_every_stage_of_a_pipeline(
     capsys: pytest.CaptureFixture[str], tmp_path: object
 ) -> None:
     """``--pp-size 2``: each stage planned for its own device budget over a 1F1B step; the
-    first stage (2 microbatches in flight) recomputes, the last (1) does not."""
+    first stage (2 microbatches in flight) recomputes, the last (1) does not. With
+    ``--tp-size 2`` too, each stage's peak is its tensor-parallel rank's."""
     pp = [*LLAMA[: LLAMA.index("--budget-gb")], "--device", "cpu", "--time-limit", "3",
           "--executor", "sac", "--pp-size", "2", "--microbatches", "2"]  # fmt: skip
     save = f"{tmp_path}/plan.json"
@@ -134,8 +136,17 @@ def test_cli_plans_every_stage_of_a_pipeline(
     out = " ".join(capsys.readouterr().out.split())
     assert "4 stages on 2 ranks" in out and "│ 0 (0, 2) │" in out and "│ 1 (1, 3) │" in out
     assert f"{tmp_path}/plan.rank1.json" in out.replace(" ", "")
-    assert main(["plan", *pp, "--tp-size", "2"]) == 2
-    assert "--pp-size with --tp-size" in capsys.readouterr().out
+    # PP x TP: each rank's stage parallelized on a fake (pp, tp) mesh; TP shards its
+    # activations, so each stage's eager peak falls.
+    assert main(["plan", *pp, "--tp-size", "2", "--budget-gb", "0.00133"]) == 0
+    tp_out = capsys.readouterr().out
+    assert "tensor parallel x 2" in tp_out.replace("\n", " ")
+    tp_rows = [line.split("│")[1:-1] for line in tp_out.splitlines() if line.startswith("│")]
+
+    def eager(r: list[str]) -> int:
+        return int(r[3].split("->")[0].replace(",", ""))
+
+    assert all(eager(t) < eager(r) for t, r in zip(tp_rows, rows, strict=True)), (tp_out, out)
     assert main(["plan", *pp, "--microbatches", "3"]) == 2
     assert "does not split into 3 microbatches" in capsys.readouterr().out
 
@@ -159,3 +170,31 @@ def test_tp_with_fsdp2_needs_the_2d_mesh_it_was_parallelized_for() -> None:
         remat.apply(model, tokens, plan="block", zero_stage=3, world_size=4)
     remat.apply(model, tokens, plan="block", zero_stage=3, world_size=2)
     assert remat.plan_of(model).predicted_peak_bytes > 0
+
+
+def test_a_tensor_parallel_stage_must_be_parallelized_as_its_pipeline_rank() -> None:
+    """Ahead of the job a TP stage's pipeline runs over its fake mesh's ``"pp"`` dimension:
+    a stage parallelized without one, or as another rank, says how to parallelize it; a
+    rank's stages parallelized apart (two fake worlds) are refused."""
+    from torch import nn
+
+    from remat.native.split import causal_lm_stages
+    from tests.zoo import PIPELINE_SEQ, pipeline_loss, stage_inputs
+
+    def stage(i: int, n: int = 2) -> nn.Module:
+        with remat.fake_mode():
+            return causal_lm_stages(llama(4, PIPELINE_SEQ), n)[i]
+
+    x, target = stage_inputs(1)
+    pipe = remat.Pipeline("1F1B", 1, 2, 2, loss_fn=pipeline_loss)
+    for kwargs in ({}, {"pp_size": 2, "pp_rank": 0}):
+        wrong = tensor_parallel(stage(1), 2, **kwargs)
+        with pytest.raises(
+            TraceError, match=r"tensor_parallel\(model, tp_size, pp_size=2, pp_rank=1\)"
+        ):
+            remat.apply(wrong, x, pipeline=pipe, target=target, plan="keep_all")
+    apart = nn.ModuleList(tensor_parallel(stage(i, 4), 2, pp_size=2, pp_rank=0) for i in (0, 2))
+    pipe = remat.Pipeline("Interleaved1F1B", 0, 4, 2, loss_fn=pipeline_loss, stages_per_rank=2)
+    xs = (stage_inputs(0)[0], stage_inputs(2)[0])
+    with pytest.raises(ValueError, match="parallelize a rank's modules together"):
+        remat.apply(apart, xs, pipeline=pipe, plan="keep_all", block_types=("*.layers.*",))

@@ -55,7 +55,9 @@ def test_pipeline_stages_under_tensor_parallelism(tmp_path: Path, monkeypatch) -
     parallelized over its row, planned in the job under 90% of its eager peak over a 1F1B
     step. Per rank: bitwise, the planned peak under the budget, and measured as predicted up
     to gloo's late release of an all-reduced activation (``test_tensor_parallel.py``: the
-    live meter at one of its two outcomes, the allocator from one below to two above)."""
+    live meter at one of its two outcomes, the allocator from one below to two above). The
+    job's plan, re-applied ahead of it to the stage on FakeTensors parallelized on a fake
+    ``(pp, tp)`` mesh, predicts the same live-tensor peak."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     mp.spawn(pp_tp_worker.main, args=(4, str(tmp_path)), nprocs=4)
     buffer = pp_tp_worker.MICROBATCH * PIPELINE_SEQ * 64 * 4  # one all-reduced activation
@@ -71,6 +73,7 @@ def test_pipeline_stages_under_tensor_parallelism(tmp_path: Path, monkeypatch) -
         assert gloo_late(got["predicted"], allocator, buffer, more=2), (rank, allocator, got)
         assert all(t <= tensors + buffer for t, _ in later), (rank, later)
         assert tensors < got["plain"]["peaks"][0][0], (rank, got["plain"]["peaks"])
+        assert got["ahead"] == got["predicted_tensors"], (rank, got["ahead"])
 
 
 def _plan_stage(stage: int, n_stages: int, schedule: str, budget: int | None) -> Applied:
