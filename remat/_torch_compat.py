@@ -126,6 +126,12 @@ def boxed_codegen() -> torch.fx.graph.CodeGen:
     return _BoxedCodeGen()
 
 
+ALLGATHER_BASE = torch.ops.c10d._allgather_base_.default
+"""The c10d op ``all_gather_into_tensor`` runs (FSDP2's all-gather)."""
+REDUCE_SCATTER_BASE = torch.ops.c10d._reduce_scatter_base_.default
+"""The c10d op ``reduce_scatter_tensor`` runs (FSDP2's gradient reduce-scatter)."""
+
+
 def allocator_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
     """(time ns, bytes, address) of every allocation (+) and free (-) the profiler recorded,
     in order. The address matters: the profiler also records the free of a block allocated
@@ -370,6 +376,23 @@ class _OwnWorld:
         return getattr(self._data, name)  # pg_map, pg_names, pg_group_ranks, ...
 
 
+def fake_mesh_world(dims: list[tuple[str, int]], rank: int, device: str = "cpu") -> FakeWorld:
+    """A fake world of the product of ``dims``'s sizes, laid out on one mesh with those
+    named dimensions (outermost first, as torchtitan's ``("pp", "dp", "tp")``), as its
+    ``rank``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = 1
+    for _, k in dims:
+        size *= k
+    world = FakeWorld(size, rank=rank)
+    with world.active():
+        world.mesh = init_device_mesh(
+            device, tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims)
+        )
+    return world
+
+
 def tensor_parallel_fake(
     model: torch.nn.Module,
     tp_size: int,
@@ -395,16 +418,11 @@ def tensor_parallel_fake(
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pipeline rank {pp_rank} is not one of {pp_size}")
     dims = [(n, k) for n, k in (("pp", pp_size), ("dp", dp_size)) if k > 1]
-    world = FakeWorld(pp_size * dp_size * tp_size, rank=pp_rank * dp_size * tp_size)
     device = next((t.device.type for t in model.parameters()), "cpu")
+    rank = pp_rank * dp_size * tp_size
+    world = fake_mesh_world([*dims, ("tp", tp_size)], rank, device) if dims else FakeWorld(tp_size)
     with world.active():
-        if dims:
-            dims.append(("tp", tp_size))
-            names = tuple(n for n, _ in dims)
-            world.mesh = init_device_mesh(device, tuple(k for _, k in dims), mesh_dim_names=names)
-            mesh = world.mesh["tp"]
-        else:
-            mesh = init_device_mesh(device, (tp_size,))
+        mesh = world.mesh["tp"] if dims else init_device_mesh(device, (tp_size,))
         with mode:
             parallelize_module(model, mesh, plan(model))
     # The model and the modules it sharded: not every module, as modules without weights
@@ -465,8 +483,10 @@ def fully_shard_blocks(
     mode: FakeTensorMode,
     param_dtype: torch.dtype | None = None,
     mesh: Any = None,
+    roots: list[torch.nn.Module] | None = None,
 ) -> None:
-    """FSDP2 as the recipe applies it: ``fully_shard`` each block, then the root; the device
+    """FSDP2 as the recipe applies it: ``fully_shard`` each block, then the root (``roots``:
+    each of them instead, as a rank's pipeline stages are sharded one by one); the device
     mesh is made outside ``mode`` (its rank table is read as data). ``param_dtype``: FSDP2's
     own mixed precision, ``MixedPrecisionPolicy(param_dtype=param_dtype,
     reduce_dtype=torch.float32)`` (torchtitan's default); None: FSDP2's defaults. ``mesh``:
@@ -486,7 +506,8 @@ def fully_shard_blocks(
     with within:
         for block in blocks:
             fully_shard(block, mesh=over, **mp)
-        fully_shard(model, mesh=over, **mp)
+        for root in [model] if roots is None else roots:
+            fully_shard(root, mesh=over, **mp)
 
 
 @contextlib.contextmanager
@@ -705,6 +726,15 @@ def static_pipeline_stage(
         ),
         group=group,
     )
+
+
+def reshard_fsdp(module: torch.nn.Module) -> None:
+    """Every FSDP2 module in ``module`` resharded (its unsharded parameters freed)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def skip_p2p_warmup(schedule: Any) -> None:

@@ -58,7 +58,7 @@ from remat.native.regions import find_blocks
 from remat.native.report import explain_applied
 from remat.native.split import CausalLMStage, causal_lm_stages, stage_example
 from remat.native.state import applied
-from remat.native.trace import StepTrace, TraceError
+from remat.native.trace import FSDP_PARAM_DTYPES, StepTrace, TraceError
 from remat.pipeline import analyze
 from remat.plots import fit_plot, pareto_plot, timeline_plot
 from remat.presets import PRESETS, Built, build, parse_settings
@@ -318,7 +318,8 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
     try:
         stages = causal_lm_stages(built.model, args.pp_size * per_rank)
         micro = tokens[: tokens.shape[0] // microbatches]
-        dtype = next(built.model.parameters()).dtype
+        # Under FSDP2's mixed precision the stages compute, and so send, in its dtype.
+        dtype = FSDP_PARAM_DTYPES.get(args.precision) or next(built.model.parameters()).dtype
         inputs = [stage_example(s, micro, dtype) for s in stages]
         if args.tp_size > 1:
             _tensor_parallel_stages(stages, args, per_rank)
@@ -330,7 +331,8 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
         "(layers per stage: "
         f"{', '.join(str(len(s.layers)) for s in stages)}), {args.pp_schedule}, "
         f"{microbatches} microbatches of {micro.shape[0]}"
-        f"{f', tensor parallel x {args.tp_size}' if args.tp_size > 1 else ''}; "
+        f"{f', tensor parallel x {args.tp_size}' if args.tp_size > 1 else ''}"
+        f"{f', ZeRO-3 x {args.world_size}' if args.zero_stage == 3 else ''}; "
         f"{args.precision}, {args.optimizer}, "
         f"profile {args.device}, budget {args.budget_gb} GB per rank's device"
     )
@@ -374,11 +376,13 @@ def _tensor_parallel_stages(
 ) -> None:
     """``--pp-size`` with ``--tp-size``: each pipeline rank's stages parallelized together
     on a fake ``(pp, tp)`` mesh as that rank (:func:`remat.native.parallel.tensor_parallel`),
-    the first of its tensor-parallel group."""
+    the first of its tensor-parallel group; with ``--zero-stage 3 --world-size D`` a
+    ``(pp, dp, tp)`` mesh, FSDP2 over its ``D`` data-parallel ranks."""
+    dp = args.world_size if args.zero_stage == 3 else 1
     for r in range(args.pp_size):
         held = stages[r :: args.pp_size]
         module = held[0] if per_rank == 1 else torch.nn.ModuleList(held)
-        tensor_parallel(module, args.tp_size, pp_size=args.pp_size, pp_rank=r)
+        tensor_parallel(module, args.tp_size, dp_size=dp, pp_size=args.pp_size, pp_rank=r)
 
 
 def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

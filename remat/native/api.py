@@ -243,11 +243,6 @@ def _check_pipeline(req: Request, pipeline: Pipeline | None, target: Any) -> Non
         if target is not None:
             raise ValueError("target is for a pipeline stage's loss: pass pipeline= too")
         return
-    options = req.training
-    if options.zero_stage == 3 and options.world_size > 1:
-        raise ValueError(
-            "a pipeline stage is planned without FSDP2 (zero_stage=3) for now: plan the stage alone"
-        )
     if AUTOCAST.get(req.training.precision) is not None:
         raise ValueError(
             f"a pipeline stage is planned without autocast for now, not {req.training.precision}"

@@ -209,6 +209,9 @@ class _Recorder(LiveMemoryMeter):
         """Names of the storages a functional collective made (tensor parallelism)."""
         self.released_late = 0
         """Bytes of the last such storage freed, still counted live (see :meth:`_free`)."""
+        self.gloo_copies: dict[int, int] = {}
+        """Storage key of a reduce-scatter's input -> bytes of gloo's copy of it, counted at
+        the allocator while the input lives (:meth:`_gloo_scratch`)."""
 
     def _free(self, key: int, nbytes: int) -> None:
         """A storage died. The last one a functional collective made stays counted: the
@@ -220,6 +223,8 @@ class _Recorder(LiveMemoryMeter):
         last use. So one is counted: the last freed, until the next is. With the host's
         cores oversubscribed the thread can lag further (one run held two at the allocator's
         peak); that is not counted (``tests/native/test_tensor_parallel.py``)."""
+        if key in self.gloo_copies and self._tracked.get(key) == nbytes:
+            self._unseen(-self.gloo_copies.pop(key))
         if self._tracked.get(key) == nbytes and key in self.names:
             name = self.names.pop(key)
             self.deaths[name] = len(self.rows)
@@ -282,6 +287,9 @@ class _Recorder(LiveMemoryMeter):
             costed = tc.local_tensors(costed)  # tensor parallel: FLOPs of this rank's shards
         flops, moved, dtype = op_cost(func, *costed, (in_tensors, outs))
         time_s = self.profile.op_time(flops, moved, dtype)
+        scratch = 0
+        if self.host and getattr(func, "namespace", None) == "c10d":
+            scratch = self._gloo_scratch(func, args)
         if self.host and (self.phase == "forward" or self.recompute):
             wrapped = _wrapped_number_bytes(func, args, kwargs)
             self.unseen_bytes += wrapped
@@ -307,12 +315,27 @@ class _Recorder(LiveMemoryMeter):
                 "holds": tuple(self.storage_names(outs)),
                 "creates": tuple(creates),
                 "tensor_bytes": self.live_bytes,
-                "allocated_bytes": self.live_bytes + self.unseen_bytes,
+                "allocated_bytes": self.live_bytes + self.unseen_bytes + scratch,
             }
         )
         if self.calls is not None:
             self.calls.append(call_of(func, args, kwargs))
         return out
+
+    def _gloo_scratch(self, func: Any, args: tuple[Any, ...]) -> int:
+        """What gloo, the CPU's process group, allocates inside FSDP2's collectives, which
+        no dispatch sees (measured at the allocator, 2.13, 4 ranks): an all-gather gathers
+        into a buffer of its output's size and copies out, freed before it returns (its
+        scratch, returned); a reduce-scatter works on a copy of its input, which lives as
+        long as the input does (FSDP2 keeps both until its next reduce-scatter)."""
+        if func is tc.ALLGATHER_BASE:
+            return int(args[0].untyped_storage().nbytes())
+        if func is tc.REDUCE_SCATTER_BASE:
+            key, nbytes = tc.storage_key(args[1]), args[1].untyped_storage().nbytes()
+            if key in self._tracked and key not in self.gloo_copies:
+                self.gloo_copies[key] = nbytes
+                self._unseen(nbytes)
+        return 0
 
     def made_outside(self, tensor: torch.Tensor) -> None:
         """``tensor`` was made outside dispatch (a checkpoint frame's saved RNG state, live
@@ -517,16 +540,27 @@ class FakeModel:
         """The pipeline's process group in a tensor-parallel fake world (None: the fake
         world's default group, of the pipeline's ranks alone)."""
         if pipeline is not None:
-            if real or fsdp_world is not None:
+            if real:
                 raise TraceError(
-                    "a pipeline stage is planned on FakeTensors and without zero_stage=3: "
-                    "not with FSDP2 inside a stage yet, and not for a model whose step "
-                    "cannot run on FakeTensors"
+                    "a pipeline stage is planned on FakeTensors, and this model's step "
+                    "cannot run on them"
                 )
             pipeline.check_modules(model)
-            if self.world is None:
+            dp = fsdp_world or 1
+            if self.world is None and dp == 1:
                 self.world = tc.FakeWorld(pipeline.ranks, rank=pipeline.stage)
-            else:
+            else:  # the pipeline and the data-parallel ranks on one mesh
+                if self.world is None and tc.tensor_parallel_mesh(model) is not None:
+                    raise TraceError(
+                        "a tensor-parallel pipeline stage with FSDP2 inside it is planned "
+                        "ahead of the job, not in it yet: plan it on FakeTensors with "
+                        "remat.native.parallel.tensor_parallel(stage, tp_size, dp_size=..., "
+                        "pp_size=..., pp_rank=...) (remat plan --pp-size --tp-size "
+                        "--zero-stage 3), save the plan and apply the file in the job"
+                    )
+                if self.world is None:
+                    dims = [("pp", pipeline.ranks), ("dp", dp)]
+                    self.world = tc.fake_mesh_world(dims, pipeline.stage * dp)
                 self._pp_group = _pipeline_group(self.world, pipeline)
             with self.mode:
                 self.target = tc.tree_map(self._fake, target)
@@ -538,9 +572,22 @@ class FakeModel:
                     "run on them: plan without zero_stage=3 (the single-device step)"
                 )
             units = self._blocks if fsdp_units is None else [modules[p] for p in fsdp_units]
-            self._shard(units, fsdp_world, fsdp_param_dtype)
+            # A rank's pipeline stages each FSDP2's root: PipelineStage drives each one's
+            # gradient sync and resharding itself.
+            roots = (
+                list(self.module.children())
+                if pipeline is not None and pipeline.stages_per_rank > 1
+                else None
+            )
+            self._shard(units, fsdp_world, fsdp_param_dtype, roots)
 
-    def _shard(self, units: list[nn.Module], dp: int, param_dtype: torch.dtype | None) -> None:
+    def _shard(
+        self,
+        units: list[nn.Module],
+        dp: int,
+        param_dtype: torch.dtype | None,
+        roots: list[nn.Module] | None = None,
+    ) -> None:
         """FSDP2 on the copy over ``dp`` ranks: of a fake world of its own; of the 2-D fake
         mesh a tensor-parallel plan was made on (:func:`remat.native.parallel.tensor_parallel`
         with ``dp_size``); or, for a model the job parallelized on a real 2-D mesh, over that
@@ -572,7 +619,7 @@ class FakeModel:
                 f"world_size={dp}: {fix}"
             )
         with self.world.active() if self.world is not None else contextlib.nullcontext():
-            tc.fully_shard_blocks(self.module, units, dp, self.mode, param_dtype, mesh)
+            tc.fully_shard_blocks(self.module, units, dp, self.mode, param_dtype, mesh, roots)
 
     def in_call_order(self, trace: StepTrace) -> tuple[int, ...]:
         """The permutation that sorts the regions by where their forward first ran in
@@ -605,7 +652,7 @@ class FakeModel:
         fake_args, fake_kwargs = tc.tree_map(self._fake, (args, dict(kwargs)))
         if self.pipeline is not None:
             fake_args = self._stage_inputs(fake_args, fake_kwargs, autocast)
-        if (self.world is not None or self._sharded) and not self._warm and self.pipeline is None:
+        if not self._warm and (self._sharded or (self.world is not None and self.pipeline is None)):
             self._warm_up(fake_args, fake_kwargs, autocast, policy_of(profile.name))
         with contextlib.ExitStack() as stack:
             self._recording(stack, recorder, policies, kwargs)
@@ -762,6 +809,10 @@ class FakeModel:
                         module, index, pipe.n_stages, ins[0].device, ins, outs, self._pp_group
                     )
                 )
+            # The forward above left FSDP2's root unsharded (a root keeps its parameters
+            # after forward); the schedule's first step reshards it before any action (its
+            # metadata clean-up), which the recorder must not see as a free in the step.
+            tc.reshard_fsdp(self.module)
             batch = tuple(torch.cat([a] * n) for a in per_stage[0])  # the user's, made before
             target = None if self.target is None else torch.cat([self.target] * n)
             # Every rank passes a loss function: without one a schedule runs no backward.
@@ -818,7 +869,7 @@ class FakeModel:
             self.mode,
             torch.random.fork_rng(devices=[]),
         ):
-            training_step(self.module, args, kwargs, autocast=autocast, autocast_policy=policy)
+            training_step(self._stepped(), args, kwargs, autocast=autocast, autocast_policy=policy)
         for p in self.module.parameters():
             p.grad = None
         self._warm = True

@@ -147,6 +147,15 @@ def test_cli_plans_every_stage_of_a_pipeline(
         return int(r[3].split("->")[0].replace(",", ""))
 
     assert all(eager(t) < eager(r) for t, r in zip(tp_rows, rows, strict=True)), (tp_out, out)
+    # PP x FSDP2 x TP: FSDP2's bf16 inside each stage, on one fake (pp, dp, tp) mesh; the
+    # stages compute in bf16 and receive bf16, so the peaks fall again.
+    three_d = ["--tp-size", "2", "--zero-stage", "3", "--world-size", "2", "--precision",
+               "bf16-fsdp", "--budget-gb", "0.00133"]  # fmt: skip
+    assert main(["plan", *pp, *three_d]) == 0
+    out_3d = capsys.readouterr().out
+    assert "tensor parallel x 2, ZeRO-3 x 2; bf16-fsdp" in " ".join(out_3d.split()), out_3d
+    rows_3d = [line.split("│")[1:-1] for line in out_3d.splitlines() if line.startswith("│")]
+    assert all(eager(t) < eager(r) for t, r in zip(rows_3d, tp_rows, strict=True)), out_3d
     assert main(["plan", *pp, "--microbatches", "3"]) == 2
     assert "does not split into 3 microbatches" in capsys.readouterr().out
 

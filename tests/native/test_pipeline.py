@@ -7,7 +7,8 @@ Interleaved1F1B (2 stages each, 4 in all, ``auto`` under a budget): parameters a
 steps (dropout on) bitwise those of the same pipeline without remat; the traced action order
 the one the ranks ran; the first step's live-storage peak equal to the prediction, and the
 allocator's within max(1%, 64 KiB) and below the budget. And PP x TP, 4 processes on a 2x2
-mesh, each stage tensor-parallel over 2 ranks and planned with ``exact`` in the job.
+mesh, each stage tensor-parallel over 2 ranks and planned with ``exact`` in the job; and
+PP x FSDP2, 4 processes, each stage sharded over 2 data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 import remat
 from remat.native.state import Applied, applied
 from tests.checks import assert_peak_close, gloo_late
-from tests.native import pp_tp_worker, pp_worker
+from tests.native import pp_fsdp_worker, pp_tp_worker, pp_worker
 from tests.native.test_distributed import _free_port, assert_trained_alike
 from tests.zoo import PIPELINE_SEQ, GPTStage, pipeline_loss, stage_inputs
 
@@ -74,6 +75,32 @@ def test_pipeline_stages_under_tensor_parallelism(tmp_path: Path, monkeypatch) -
         assert all(t <= tensors + buffer for t, _ in later), (rank, later)
         assert tensors < got["plain"]["peaks"][0][0], (rank, got["plain"]["peaks"])
         assert got["ahead"] == got["predicted_tensors"], (rank, got["ahead"])
+
+
+@pytest.mark.slow
+def test_pipeline_stages_under_fsdp2(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """PP x FSDP2, 4 ranks on a 2x2 ``("pp", "dp")`` mesh, 1F1B, every block recomputed:
+    each stage traced with FSDP2 inside it on a fake mesh of the same shape (its unsharded
+    parameters kept across microbatches, gradients reduced after the last, as
+    ``PipelineStage`` drives FSDP2). Per rank: bitwise; the first step's live-meter peak the
+    predicted one to the byte, the allocator's within max(1%, 64 KiB), both below eager;
+    and the job's plan re-applied ahead of it, on FakeTensors, predicts the same. The
+    ranks yield their core after each collective wait (:func:`pp_fsdp_worker._settled_waits`:
+    else gloo's worker thread, 4 ranks on 2 cores, can hold an all-gathered block past its
+    release)."""
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    mp.spawn(pp_fsdp_worker.main, args=(4, str(tmp_path)), nprocs=4)
+    for rank in range(4):
+        got = torch.load(tmp_path / f"pp_fsdp_{rank}.pt")
+        stage = rank // 2
+        assert_trained_alike(got, rank)
+        assert got["in_flight"] == pp_fsdp_worker.STAGES - stage
+        (tensors, allocator), *later = got["remat"]["peaks"]
+        assert tensors == got["predicted_tensors"] == got["ahead"], (rank, tensors, got)
+        assert_peak_close(got["predicted"], allocator, f"PP x FSDP2 rank {rank}, allocator")
+        assert all(t <= tensors for t, _ in later), (rank, later)
+        assert tensors < got["eager_tensors"] == got["plain"]["peaks"][0][0], (rank, got)
+        assert allocator < got["eager"], (rank, got)
 
 
 def _plan_stage(stage: int, n_stages: int, schedule: str, budget: int | None) -> Applied:
