@@ -509,13 +509,13 @@ class FakeModel:
         self.source_device = device_of(model)
         """Where the user's model lives (None: FakeTensors), for measuring kernel scratch."""
         self.mode: Any
+        tp_world = None if real else tc.fake_world_of(model)
         if real:
             self.mode = contextlib.nullcontext()
             self.module = copy.deepcopy(model)
         else:
             # A model built under remat.fake_mode() keeps its mode (modes cannot mix).
             self.mode = tc.fake_mode_of(model) or tc.FakeTensorMode(allow_non_fake_inputs=False)
-            tp_world = tc.fake_world_of(model)
             with tp_world.active() if tp_world is not None else contextlib.nullcontext():
                 self.module = tc.fake_copy(model, self.mode)
         self.blocks = tuple(blocks)
@@ -528,7 +528,7 @@ class FakeModel:
             if tc.is_batchnorm(m)
             for b in m.buffers(recurse=False)
         )
-        self.world: tc.FakeWorld | None = None if real else tc.fake_world_of(model)
+        self.world: tc.FakeWorld | None = tp_world
         """The fake world the step's collectives are registered in: FSDP2's (``fsdp_world``)
         or the one a tensor-parallel plan was made on
         (:func:`remat.native.parallel.tensor_parallel`); None for a real process group, or

@@ -23,11 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
-from remat.meter import peaks_of
 from remat.native.state import applied
+from tests.native.pp_worker import train_1f1b
 from tests.zoo import GPTStage, pipeline_loss, stage_inputs
 
-STEPS = 3
 MICROBATCHES = 4
 MICROBATCH = 2
 STAGES = 2
@@ -63,38 +62,16 @@ def _planned_ahead(stage: int, kw: dict[str, Any], plan_file: Path) -> int:
 def _train(module: nn.Module, stage: int, dp: int, group: Any, rank: int) -> dict[str, Any]:
     """3 AdamW steps through 1F1B; the parameters after each (whole) and each step's
     peaks."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    x, _ = _inputs(stage, dp, MICROBATCH)
-    with torch.no_grad():
-        y = module(x)
-    last = stage == STAGES - 1
-    pipe_stage = PipelineStage(
-        module,
-        stage,
-        STAGES,
-        torch.device("cpu"),
-        input_args=(x,),
-        output_args=(y,),
-        output_grads=(None if last else y,),
-        input_grads=(None if stage == 0 else x,),
-        group=group,
+    batch = (
+        _inputs(stage, dp, MICROBATCH)[0],
+        _inputs(0, dp, MICROBATCH * MICROBATCHES)[0],
+        _inputs(STAGES - 1, dp, MICROBATCH * MICROBATCHES)[1],
     )
-    schedule = Schedule1F1B(pipe_stage, n_microbatches=MICROBATCHES, loss_fn=pipeline_loss)
-    tokens, _ = _inputs(0, dp, MICROBATCH * MICROBATCHES)
-    _, targets = _inputs(STAGES - 1, dp, MICROBATCH * MICROBATCHES)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    params, peaks = [], []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(1000 * (rank + 1) + step)
-        if stage == 0:
-            peaks.append(peaks_of(lambda: schedule.step(tokens)))
-        else:
-            peaks.append(peaks_of(lambda: schedule.step(target=targets, losses=[])))
-        opt.step()
-        params.append({n: p.full_tensor().clone() for n, p in module.named_parameters()})
-    return {"params": params, "peaks": peaks}
+    return train_1f1b(module, stage, STAGES, batch, MICROBATCHES, group, rank, _whole)
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor()  # type: ignore[attr-defined,no-any-return]  # DTensor under FSDP2
 
 
 def _settled_waits() -> None:

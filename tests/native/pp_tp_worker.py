@@ -23,13 +23,12 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
-from remat.meter import peaks_of
 from remat.native.parallel import llama_tp_plan, tensor_parallel
 from remat.native.split import causal_lm_stages
 from remat.native.state import applied
+from tests.native.pp_worker import train_1f1b
 from tests.zoo import PIPELINE_SEQ, llama, pipeline_loss, stage_inputs
 
-STEPS = 3
 MICROBATCHES = 2
 MICROBATCH = 2
 STAGES = 2
@@ -56,38 +55,12 @@ def _planned_ahead(stage: int, pipe: remat.Pipeline, target: Any, plan_file: Pat
 def _train(module: nn.Module, stage: int, group: Any, rank: int) -> dict[str, Any]:
     """3 AdamW steps through 1F1B; the parameters after each (their tensor-parallel shards)
     and each step's peaks."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    x, _ = stage_inputs(stage, MICROBATCH)
-    with torch.no_grad():
-        y = module(x)
-    last = stage == STAGES - 1
-    pipe_stage = PipelineStage(
-        module,
-        stage,
-        STAGES,
-        torch.device("cpu"),
-        input_args=(x,),
-        output_args=(y,),
-        output_grads=(None if last else y,),
-        input_grads=(None if stage == 0 else x,),
-        group=group,
+    batch = (
+        stage_inputs(stage, MICROBATCH)[0],
+        stage_inputs(0, MICROBATCH * MICROBATCHES)[0],
+        stage_inputs(STAGES - 1, MICROBATCH * MICROBATCHES)[1],
     )
-    schedule = Schedule1F1B(pipe_stage, n_microbatches=MICROBATCHES, loss_fn=pipeline_loss)
-    tokens, _ = stage_inputs(0, MICROBATCH * MICROBATCHES)
-    _, targets = stage_inputs(STAGES - 1, MICROBATCH * MICROBATCHES)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    params, peaks = [], []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(1000 * (rank + 1) + step)
-        if stage == 0:
-            peaks.append(peaks_of(lambda: schedule.step(tokens)))
-        else:
-            peaks.append(peaks_of(lambda: schedule.step(target=targets, losses=[])))
-        opt.step()
-        params.append({n: _local(p).clone() for n, p in module.named_parameters()})
-    return {"params": params, "peaks": peaks}
+    return train_1f1b(module, stage, STAGES, batch, MICROBATCHES, group, rank, _local)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

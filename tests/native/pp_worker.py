@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,11 @@ PER_RANK = {"1F1B": 1, "Interleaved1F1B": 2}
 """Stages per rank: Interleaved1F1B runs stages r and r + world on rank r."""
 
 
-def _stage(module: nn.Module, index: int, n_stages: int, x: torch.Tensor) -> PipelineStage:
-    """Told every shape (as torchtitan's stages are), so no metadata is exchanged."""
+def _stage(
+    module: nn.Module, index: int, n_stages: int, x: torch.Tensor, group: Any = None
+) -> PipelineStage:
+    """Told every shape (as torchtitan's stages are), so no metadata is exchanged; its p2p
+    over ``group`` (None: the default group)."""
     with torch.no_grad():
         y = module(x)
     last = index == n_stages - 1
@@ -46,7 +50,41 @@ def _stage(module: nn.Module, index: int, n_stages: int, x: torch.Tensor) -> Pip
         output_args=(y,),
         output_grads=(None if last else y,),
         input_grads=(None if index == 0 else x,),
+        group=group,
     )
+
+
+def train_1f1b(
+    module: nn.Module,
+    stage: int,
+    n_stages: int,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    microbatches: int,
+    group: Any,
+    rank: int,
+    whole: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, Any]:
+    """Stage ``stage`` (one per rank) trained for 3 AdamW steps through 1F1B over ``group``:
+    the parameters after each (as ``whole`` gives them: a shard, a gathered tensor) and each
+    step's peaks. ``batch``: one microbatch's input of the stage, the step's tokens and its
+    targets."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    x, tokens, targets = batch
+    pipe_stage = _stage(module, stage, n_stages, x, group)
+    schedule = Schedule1F1B(pipe_stage, n_microbatches=microbatches, loss_fn=pipeline_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    params, peaks = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(1000 * (rank + 1) + step)
+        if stage == 0:
+            peaks.append(peaks_of(lambda: schedule.step(tokens)))
+        else:
+            peaks.append(peaks_of(lambda: schedule.step(target=targets, losses=[])))
+        opt.step()
+        params.append({n: whole(p).clone() for n, p in module.named_parameters()})
+    return {"params": params, "peaks": peaks}
 
 
 def _indices(name: str, rank: int, world: int) -> list[int]:
