@@ -441,22 +441,33 @@ def regions_table() -> str:
 
 
 def parallel_table() -> str:
-    """Per-stage plans of a 1F1B pipeline against one plan for all (experiments/parallel.py)."""
+    """Per-rank plans of a pipeline against one plan for all (experiments/parallel.py)."""
+
+    def sizes(field: str) -> str:
+        values = [int(b) for b in field.split()]
+        if len(set(values)) == 1 and len(values) > 1:
+            values = values[:1]  # one budget for every rank
+        gb = max(values) >= 2**30
+        return " / ".join(_fmt(v / 1e9, 1) if gb else _fmt(v / MIB) for v in values) + (
+            " GB" if gb else " MiB"
+        )
+
     out = [
         [
+            r["case"],
             r["microbatches"],
-            _fmt(_num(r["budget_bytes"]) / MIB),  # type: ignore[operator]
+            sizes(r["budget_bytes"]),
             r["method"],
             "yes" if r["fits"] == "True" else "no",
-            " / ".join(_fmt(int(b) / MIB) for b in r["stage_peaks"].split()),
+            sizes(r["stage_peaks"]),
             r["stage_recompute_ms"].replace(" ", " / "),
             _fmt(_num(r["step_ms"]), 1),
             f"{float(r['bubble_share']):.1%}",
         ]
         for r in _read("parallel.csv")
     ]
-    header = ["microbatches", "budget per stage MiB", "plan", "fits", "stage peaks MiB",
-              "recompute ms per stage", "simulated step ms", "bubble"]  # fmt: skip
+    header = ["pipeline", "microbatches", "budget per rank", "plan", "fits", "rank peaks",
+              "recompute ms per rank", "simulated step ms", "bubble"]  # fmt: skip
     return _table(header, out)
 
 

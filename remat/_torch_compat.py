@@ -340,13 +340,33 @@ class FakeWorld:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
+        """This world's process groups are c10d's until exit. DTensor's caches are cleared
+        on the way in and out: they key on meshes, and meshes of equal shape compare equal
+        across worlds, so a cached result would hand another world's mesh (whose groups
+        this world cannot resolve) to this world's tensors, or a fake one to the job's."""
         c10d = torch.distributed.distributed_c10d
         previous = c10d._world
+        clear_dtensor_caches()
         c10d._world = self._world  # type: ignore[assignment]
         try:
             yield
         finally:
             c10d._world = previous
+            clear_dtensor_caches()
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (C++ and Python) and its redistribution
+    caches (:meth:`FakeWorld.active`)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _collective_utils as collective
+    from torch.distributed.tensor import _redistribute as redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    collective.MeshTopoInfo.build_from_mesh.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    redistribute._gen_transform_infos.cache_clear()
+    redistribute.clear_redistribute_planner_cache()
 
 
 class _OwnWorld:

@@ -246,6 +246,9 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.model is None:
         console.print("[red]remat plan: name a model (remat plan --list shows the presets)")
         return 2
+    if args.sequence_parallel and args.tp_size < 2:
+        console.print("[red]remat plan: --sequence-parallel needs --tp-size 2 or more")
+        return 2
     t0 = time.perf_counter()
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
@@ -263,7 +266,8 @@ def plan_command(args: argparse.Namespace) -> int:
         except ValueError as e:
             console.print(f"[red]remat plan: {e}")
             return 2
-        tp = f", tensor parallel x {args.tp_size} (rank 0's shard)"
+        sp = " with sequence parallelism" if args.sequence_parallel else ""
+        tp = f", tensor parallel x {args.tp_size}{sp} (rank 0's shard)"
         if args.zero_stage == 3 and args.world_size > 1:
             tp += f": {args.world_size * args.tp_size} ranks on a 2-D mesh"
     console.print(
@@ -382,7 +386,14 @@ def _tensor_parallel_stages(
     for r in range(args.pp_size):
         held = stages[r :: args.pp_size]
         module = held[0] if per_rank == 1 else torch.nn.ModuleList(held)
-        tensor_parallel(module, args.tp_size, dp_size=dp, pp_size=args.pp_size, pp_rank=r)
+        tensor_parallel(
+            module,
+            args.tp_size,
+            dp_size=dp,
+            pp_size=args.pp_size,
+            pp_rank=r,
+            sequence_parallel=args.sequence_parallel,
+        )
 
 
 def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -406,7 +417,12 @@ def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor:
     if executor != "sac":
         raise ValueError("--tp-size plans remat.apply's executor: use --executor sac")
     fsdp = args.zero_stage == 3 and args.world_size > 1
-    tensor_parallel(model, args.tp_size, dp_size=args.world_size if fsdp else 1)
+    tensor_parallel(
+        model,
+        args.tp_size,
+        dp_size=args.world_size if fsdp else 1,
+        sequence_parallel=args.sequence_parallel,
+    )
 
 
 def executor_of(args: argparse.Namespace) -> str:
@@ -615,9 +631,9 @@ class _NativeSide:
         self.model = model
         self.solvers = [*(f"plan:{n}" for n in NATIVE_PLANS), "auto", *NATIVE_SOLVERS]
 
-    def _tracer(self, policies: Any) -> StepTrace:
+    def _tracer(self, policies: Any, schedule: bool = True) -> StepTrace:
         with kv_cache_off(self.model):
-            return self.traced.trace(self.args, self.kwargs, policies)
+            return self.traced.trace(self.args, self.kwargs, policies, schedule)
 
     def peak_range(self, config: SolverConfig) -> tuple[int, int]:
         least = native_fixed(self.problem, "block", self._tracer).trace.peak_bytes
@@ -671,6 +687,19 @@ def _copies(
     return build_with
 
 
+def _parallel_copies(
+    copies: Callable[[int], torch.nn.Module], args: argparse.Namespace, executor: str
+) -> Callable[[int], torch.nn.Module]:
+    """``--tp-size``: each shallow copy parallelized as the model is (its own fake world)."""
+
+    def parallel(n: int) -> torch.nn.Module:
+        model = copies(n)
+        _tensor_parallel(model, args, executor)
+        return model
+
+    return parallel
+
+
 def fit_command(args: argparse.Namespace) -> int:
     """``remat fit MODEL --budget-gb N``: the longest sequence and largest batch per plan."""
     console = _console(140)
@@ -681,6 +710,12 @@ def fit_command(args: argparse.Namespace) -> int:
         executor = executor_of(args)
         shallow = _shallow(args.model, args, built.model) if executor == "graph" else None
         copies = _copies(args.model, args, built.model) if executor == "sac" else None
+        if args.sequence_parallel and args.tp_size < 2:
+            raise ValueError("--sequence-parallel needs --tp-size 2 or more")
+        if args.tp_size > 1:
+            _tensor_parallel(built.model, args, executor)
+            if copies is not None:
+                copies = _parallel_copies(copies, args, executor)
     except ValueError as e:
         err.print(f"[red]remat fit: {e}")
         return 2
@@ -770,6 +805,24 @@ def _executor_name(name: str) -> str:
     return name
 
 
+def _tp_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (Llama-family models; --executor sac): plans rank 0 of "
+        "the layout torchtitan uses (q/k/v/gate/up column-wise, o/down row-wise); with "
+        "--zero-stage 3, FSDP2 shards over --world-size data-parallel ranks of a "
+        "(world-size x tp-size) mesh",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp-size: torchtitan's sequence parallelism too (norms on sequence "
+        "shards, all-gathers before attention and the MLP, reduce-scatters after them)",
+    )
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1)
@@ -824,15 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _model_options(p)
     p.add_argument("--solver", default=None, help="default: auto")
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
-    p.add_argument(
-        "--tp-size",
-        type=int,
-        default=1,
-        help="tensor-parallel ranks (Llama-family models; --executor sac): plans rank 0 of "
-        "the layout torchtitan uses (q/k/v/gate/up column-wise, o/down row-wise); with "
-        "--zero-stage 3, FSDP2 shards over --world-size data-parallel ranks of a "
-        "(world-size x tp-size) mesh",
-    )
+    _tp_options(p)
     p.add_argument(
         "--pp-size",
         type=int,
@@ -885,6 +930,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _model_options(f)
     f.add_argument("--max-seq", type=int, default=None,
                    help="longest length searched (default: the model's positions)")  # fmt: skip
+    _tp_options(f)
     f.add_argument("--json", action="store_true", help="print the answers as JSON only")
     f.add_argument("--plot", default=None, metavar="OUT.png",
                    help="device memory against sequence length per plan, with the budget")  # fmt: skip

@@ -295,8 +295,12 @@ class Traced:
     profile: DeviceProfile
     autocast: torch.dtype | None
 
-    def trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], policies: Any) -> StepTrace:
-        return self.fake.trace(args, kwargs, policies, profile=self.profile, autocast=self.autocast)
+    def trace(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], policies: Any, schedule: bool = True
+    ) -> StepTrace:
+        return self.fake.trace(
+            args, kwargs, policies, profile=self.profile, autocast=self.autocast, schedule=schedule
+        )
 
 
 def analyze(
@@ -372,7 +376,9 @@ def _plan(
         traced, problem = analyze(
             model, regions_, args, kwargs, req, profile, fsdp_units=blocks, stage=stage
         )
-        return problem, lambda policies: traced.trace(args, kwargs, policies)
+        return problem, lambda policies, schedule=True: traced.trace(
+            args, kwargs, policies, schedule
+        )
 
     if req.is_plan_file():
         assert isinstance(plan, (str, Path))
@@ -400,6 +406,7 @@ def _plan(
     best: tuple[planner.NativeProblem, planner.Solution] | None = None
     error: BudgetError | None = None
     analyzed: Analyzed | None = None
+    t0 = time.perf_counter()
     try:
         if outside:
             outside, analyzed = _worth_a_region(on, blocks, outside, progress)
@@ -414,6 +421,12 @@ def _plan(
     if solver != "auto" or step_budget is None or len(split) <= len(blocks):
         return _best(best, error)
     if best is not None and best[1].trace.recompute_time_s == 0:
+        return best
+    if best is not None and time.perf_counter() - t0 > config.time_limit_s:
+        progress(
+            f"native: the time limit ({config.time_limit_s:g} s) is spent on the blocks: their "
+            "sub-modules are not planned (a longer time limit plans them too)"
+        )
         return best
     progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
     try:
@@ -451,7 +464,8 @@ def _worth_a_region(
         [
             None if path in blocks else planner.required_keys(problem.streams[problem.class_of(k)])
             for k, path in enumerate(problem.blocks)
-        ]
+        ],
+        schedule=False,  # what a region holds is one microbatch's: no pipeline step needed
     )
 
     def held(t: StepTrace, path: str) -> int:

@@ -21,36 +21,87 @@ from remat import _torch_compat as tc
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm", "norm")
+"""Sequence parallelism's norms: each layer's two and the final one (Hugging Face names)."""
 
 
-def llama_tp_plan(model: nn.Module, tp_size: int) -> dict[str, Any]:
+def llama_tp_plan(
+    model: nn.Module, tp_size: int, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """``parallelize_module``'s plan for a Llama-family model (Llama, Mistral, Qwen2: the
     Hugging Face projection names); a clear error for other layouts and for head counts
-    ``tp_size`` does not divide."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    ``tp_size`` does not divide.
+
+    ``sequence_parallel``: torchtitan's Llama plan with sequence parallelism. The residual
+    stream is sharded on the sequence: the embedding's output reduce-scattered, the norms
+    run on a sequence shard each (``SequenceParallel``), attention and the MLP all-gather
+    their input, and their row-wise projections reduce-scatter their output. The stream
+    stays a DTensor (Hugging Face's model reads the sequence length off it), and the head
+    returns replicated logits. A norm then saves a shard of its input, and the all-gathered
+    inputs are collectives' outputs (always saved, never recomputed)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     plan: dict[str, Any] = {}
     for path, m in model.named_modules():
         leaf = path.rsplit(".", 1)[-1]
-        if not isinstance(m, nn.Linear):
+        if sequence_parallel and leaf in NORMS:
+            plan[path] = SequenceParallel()
+        elif sequence_parallel and leaf == "self_attn":
+            plan[path] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            )
+        elif sequence_parallel and leaf == "mlp":
+            plan[path] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        elif sequence_parallel and leaf == "embed_tokens":
+            plan[path] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            )
+        elif not isinstance(m, nn.Linear):
             continue
-        if leaf in COLWISE:
+        elif leaf in COLWISE:
             if m.out_features % tp_size:
                 raise ValueError(f"--tp-size {tp_size} does not divide {path}'s outputs")
             plan[path] = ColwiseParallel()
         elif leaf in ROWWISE:
-            plan[path] = RowwiseParallel()
-    if not plan:
+            plan[path] = (
+                RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+                if sequence_parallel
+                else RowwiseParallel()
+            )
+        elif sequence_parallel and leaf == "lm_head":
+            plan[path] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if not any(p.rsplit(".", 1)[-1] in COLWISE for p in plan):
         raise ValueError(
             f"{type(model).__name__} has no Llama-style projections ({', '.join(COLWISE)}; "
             f"{', '.join(ROWWISE)}): plan tensor parallelism inside the job instead "
             "(parallelize_module, then remat.apply on the parallel model)"
         )
+    if sequence_parallel and not any(p.rsplit(".", 1)[-1] == "embed_tokens" for p in plan):
+        raise ValueError(
+            f"sequence parallelism shards the sequence at the embedding, which "
+            f"{type(model).__name__} does not hold (a later pipeline stage, say): plan it "
+            "without sequence parallelism"
+        )
     return plan
 
 
 def tensor_parallel(
-    model: nn.Module, tp_size: int, dp_size: int = 1, pp_size: int = 1, pp_rank: int = 0
+    model: nn.Module,
+    tp_size: int,
+    dp_size: int = 1,
+    pp_size: int = 1,
+    pp_rank: int = 0,
+    *,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """``model`` (FakeTensors) parallelized in place over ``tp_size`` fake ranks with
     :func:`llama_tp_plan`; returns it. ``dp_size > 1``: for TP x FSDP2, the ranks laid out
@@ -59,12 +110,24 @@ def tensor_parallel(
     and the trace shards it with FSDP2 over the mesh's ``"dp"`` dimension. ``pp_size > 1``:
     ``model`` is pipeline rank ``pp_rank``'s stage (or its stages, as one module list) on a
     ``(pp_size, tp_size)`` mesh; plan it with ``remat.apply(..., pipeline=Pipeline(...,
-    stage=pp_rank, ...))``, whose schedule then runs over the mesh's ``"pp"`` dimension."""
+    stage=pp_rank, ...))``, whose schedule then runs over the mesh's ``"pp"`` dimension.
+    ``sequence_parallel``: with torchtitan's sequence parallelism (:func:`llama_tp_plan`),
+    for a whole model (a pipeline's later stages receive the sequence whole)."""
     if tp_size < 2:
         raise ValueError(f"tp_size must be at least 2, got {tp_size}")
     if dp_size < 1 or pp_size < 1:
         raise ValueError(f"dp_size and pp_size must be at least 1, got {dp_size}, {pp_size}")
+    if sequence_parallel and pp_size > 1:
+        raise ValueError(
+            "sequence parallelism with pipeline stages is not planned yet: a later stage "
+            "receives the whole sequence; plan the stages without it"
+        )
     tc.tensor_parallel_fake(
-        model, tp_size, lambda m: llama_tp_plan(m, tp_size), dp_size, pp_size, pp_rank
+        model,
+        tp_size,
+        lambda m: llama_tp_plan(m, tp_size, sequence_parallel),
+        dp_size,
+        pp_size,
+        pp_rank,
     )
     return model

@@ -12,7 +12,12 @@
    the bytes it holds from its forward to its backward, its forward and backward peaks above
    what the earlier blocks hold, and its recompute time. These are
    :class:`remat.solver.chain.ChainCosts`, and the chain solver's DP
-   (:func:`remat.solver.chain.chain_dp`) picks one option per block under the budget.
+   (:func:`remat.solver.chain.chain_dp`) picks one option per block under the budget. On a
+   pipeline stage these per-block quantities are one microbatch's, so each option is traced
+   as one microbatch's step, without the schedule step (:func:`in_flight` counts the
+   microbatches held, calibrated on every block eager and every block recomputed traced
+   through the schedule); the plans a user would try by hand that this model may misjudge
+   are traced too (:func:`_misjudged`).
 4. **The trace has the last word.** The stitched choice is traced; when its peak is over the
    budget (the additive model is an approximation where blocks meet), the DP runs again for a
    budget smaller by the excess. The DP also runs for the budgets of a fixed grid between the
@@ -35,10 +40,11 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,7 +55,7 @@ from remat.native.regions import OpKey, Policy
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.problem import Problem
 from remat.solver import registry
-from remat.solver.chain import ChainCosts, chain_dp
+from remat.solver.chain import ChainCosts, chain_dp, chain_peak
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import executor_of
 from remat.solver.plan import Plan, Proof, fmt_bytes
@@ -211,15 +217,16 @@ def in_flight_at_peak(schedule: ScheduleTrace) -> int:
 
 
 def in_flight(
-    table: Sequence[ChainCosts], traced_peaks: Sequence[int], eager: ScheduleTrace
+    table: Sequence[ChainCosts], traced_peaks: Mapping[int, int], eager: ScheduleTrace
 ) -> list[ChainCosts]:
     """One microbatch's per-block costs of each uniform option (``table``) for a pipeline
     stage, which holds several microbatches at its peak (``eager``'s, the stage with every
     region eager): each block's kept bytes count once per microbatch held, and every base
     moves by what the schedule adds besides (receive buffers, gradients, outputs kept). That
-    addition is the same for every plan: the least over the options of their traced peaks
-    (``traced_peaks``) less the model's. The model stays approximate (the DP's choices are
-    traced, and the traces decide); taking the least keeps it from refusing plans that fit."""
+    addition is the same for every plan: the least over the options traced through the
+    schedule (``traced_peaks``: option -> peak) of their traced peak less the model's. The
+    model stays approximate (the DP's choices are traced, and the traces decide); taking the
+    least keeps it from refusing plans that fit."""
     copies = in_flight_at_peak(eager)
 
     def modelled(c: ChainCosts) -> int:
@@ -231,7 +238,7 @@ def in_flight(
             + [prefix[k] + max(c.fw_base[k], c.bw_base[k]) for k in range(len(c.keep))]
         )
 
-    shift = min(t - modelled(c) for c, t in zip(table, traced_peaks, strict=True))
+    shift = min(t - modelled(table[o]) for o, t in traced_peaks.items())
     return [
         ChainCosts(
             keep=[k * copies for k in c.keep],
@@ -257,7 +264,11 @@ class Solution:
     """Per block, the name of the menu option chosen (for reports)."""
 
 
-Tracer = Callable[[Sequence[Policy]], StepTrace]
+class Tracer(Protocol):
+    """The step traced under one policy per block (:meth:`remat.native.trace.FakeModel.trace`);
+    ``schedule=False`` skips a pipeline stage's schedule step (one microbatch's step only)."""
+
+    def __call__(self, policies: Sequence[Policy], schedule: bool = True) -> StepTrace: ...
 
 
 def fixed_policies(problem: NativeProblem, name: str) -> tuple[Policy, ...]:
@@ -381,51 +392,118 @@ def _chain(
     n = len(problem.blocks)
     options_of, n_classes, n_opts = menus_of(problem)
     progress = config.progress or (lambda _: None)
-    progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
-
-    found: dict[tuple[int, ...], StepTrace] = {}
-
-    def policies(choice: Sequence[int]) -> list[Policy]:
-        return [options_of[k][min(o, len(options_of[k]) - 1)].policy for k, o in enumerate(choice)]
+    # Option 0 is every class's "eager": the baseline is that plan, traced already.
+    found: dict[tuple[int, ...], StepTrace] = {(0,) * n: problem.baseline}
 
     def run(choice: Sequence[int]) -> StepTrace:
         key = tuple(min(o, len(options_of[k]) - 1) for k, o in enumerate(choice))
         if key not in found:
-            found[key] = tracer(policies(key))
-            progress(f"native: {len(found)} plans traced, {time.perf_counter() - t0:.0f} s")
+            found[key] = tracer(_policies(options_of, key))
+            progress(f"native: {len(found) - 1} plans traced, {time.perf_counter() - t0:.0f} s")
         return found[key]
 
-    uniform = [run([o] * n) for o in range(n_opts)]
-    table = [costs(t) for t in uniform]
-    if problem.baseline.schedule is not None:
-        # Megatron's recompute_num_layers: the first N regions recomputed whole, the rest
-        # eager. On a pipeline stage the DP's model is approximate and can miss these.
-        for first in sorted({n * i // GRID_POINTS for i in range(1, GRID_POINTS)} - {0}):
-            run([n_opts - 1] * first + [0] * (n - first))
-        table = in_flight(table, [t.peak_bytes for t in uniform], problem.baseline.schedule)
-    least = min(t.peak_bytes for t in uniform)
-    most = max(t.peak_bytes for t in uniform)
+    schedule = problem.baseline.schedule
+    if schedule is None:
+        progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
+        uniform = [run([o] * n) for o in range(n_opts)]
+        table = [costs(t) for t in uniform]
+        least = min(t.peak_bytes for t in uniform)
+    else:
+        progress(
+            f"native: {n} regions, {n_classes} class(es), {n_opts} options; one microbatch's "
+            "step each"
+        )
+        table = _stage_table(problem, tracer, run, options_of, n_opts)
+        least = run([n_opts - 1] * n).peak_bytes
+    most = problem.baseline.peak_bytes
     grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
-    for target in [g for g in grid if g < budget_bytes] + [budget_bytes]:
-        if time.perf_counter() > deadline:
+    # The budget's own plan first: the one that matters when the time limit cuts the rest.
+    for i, target in enumerate([budget_bytes] + [g for g in grid if g < budget_bytes]):
+        if i and time.perf_counter() > deadline:
             progress("native: time limit reached; keeping the plans traced so far")
             break
         _fit(table, target, n, run)
+    if schedule is not None:
+        _misjudged(table, n, n_opts, budget_bytes, found, run)
     fitting = [(c, t) for c, t in found.items() if t.peak_bytes <= budget_bytes]
+    traced = len(found) - 1
     if not fitting:
         least_found = min(t.peak_bytes for t in found.values())
-        return BudgetError(budget_bytes, least_found, "native SAC"), len(found)
+        return BudgetError(budget_bytes, least_found, "native SAC"), traced
     choice, trace = min(fitting, key=lambda ct: (ct[1].recompute_time_s, ct[1].peak_bytes))
     names = [options_of[k][o].name for k, o in enumerate(choice)]
     summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
     reason = (
-        f"chain DP over {n} regions ({n_opts} options per class, {len(found)} plans traced "
+        f"chain DP over {n} regions ({n_opts} options per class, {traced} plans traced "
         f"on FakeTensors): {summary}"
     )
     chosen = Solution(
-        tuple(policies(choice)), trace, "auto", reason, Proof.NEIGHBOURHOOD, tuple(names)
+        tuple(_policies(options_of, choice)),
+        trace,
+        "auto",
+        reason,
+        Proof.NEIGHBOURHOOD,
+        tuple(names),
     )
-    return chosen, len(found)
+    return chosen, traced
+
+
+def _policies(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> list[Policy]:
+    return [options_of[k][min(o, len(options_of[k]) - 1)].policy for k, o in enumerate(choice)]
+
+
+def _stage_table(
+    problem: NativeProblem,
+    tracer: Tracer,
+    run: Callable[[Sequence[int]], StepTrace],
+    options_of: Sequence[Sequence[Option]],
+    n_opts: int,
+) -> list[ChainCosts]:
+    """A pipeline stage's chain costs. Each option's per-block quantities are one
+    microbatch's (:func:`costs` reads the step, not the schedule), so they come from one
+    microbatch's step each, without the schedule step (a 70B stage of 20 layers: 23 s a
+    trace with 8 microbatches); :func:`in_flight` puts them in the schedule's context,
+    calibrated on the two traced ends, every block eager and every block recomputed."""
+    n = len(problem.blocks)
+    steps = [problem.baseline] + [
+        tracer(_policies(options_of, [o] * n), schedule=False) for o in range(1, n_opts)
+    ]
+    ends = {0: problem.baseline.peak_bytes, n_opts - 1: run([n_opts - 1] * n).peak_bytes}
+    assert problem.baseline.schedule is not None
+    return in_flight([costs(t) for t in steps], ends, problem.baseline.schedule)
+
+
+def _misjudged(
+    table: Sequence[ChainCosts],
+    n: int,
+    n_opts: int,
+    budget_bytes: int,
+    found: dict[tuple[int, ...], StepTrace],
+    run: Callable[[Sequence[int]], StepTrace],
+) -> None:
+    """Trace the plans a user would try by hand that the DP's model of a pipeline stage may
+    have misjudged: one option on every block, and Megatron's ``recompute_num_layers`` (the
+    first N blocks recomputed whole, the rest eager). Those with less recompute than the
+    best traced plan that fits, and that the model does not put over the budget, are
+    traced, least recompute first, until one fits: so none of them that the model puts
+    within the budget is cheaper than the chosen plan and fits (one the model puts over it,
+    wrongly, can be missed)."""
+    best = min(
+        (t.recompute_time_s for t in found.values() if t.peak_bytes <= budget_bytes),
+        default=math.inf,
+    )
+    last = n_opts - 1
+    candidates = [[o] * n for o in range(n_opts)]
+    candidates += [[last] * first + [0] * (n - first) for first in range(1, n)]
+
+    def recompute_s(choice: Sequence[int]) -> float:
+        return sum(table[o].time_s[k] for k, o in enumerate(choice))
+
+    for choice in sorted(candidates, key=recompute_s):
+        if recompute_s(choice) >= best:
+            return
+        if chain_peak(table, choice) <= budget_bytes and run(choice).peak_bytes <= budget_bytes:
+            return
 
 
 def planned(

@@ -582,6 +582,18 @@ def _costs(
     )
 
 
+def chain_peak(costs: Sequence[ChainCosts], choice: Sequence[int]) -> int:
+    """The peak :func:`chain_dp`'s additive model gives ``choice`` (option ``choice[k]`` on
+    block ``k``): what the DP checks against the budget, for one choice."""
+    held = 0
+    peak = max(c.head for c in costs)
+    for k, o in enumerate(choice):
+        c = costs[o]
+        peak = max(peak, held + c.fw_base[k], held + c.bw_base[k])
+        held += c.keep[k]
+    return max(peak, held + max(c.tail_base for c in costs))
+
+
 def chain_dp(costs: list[ChainCosts], budget: int, n_blocks: int) -> list[int] | None:
     """Least total time choice per block under the additive model, or None if none fits.
 

@@ -59,6 +59,82 @@ def test_cli_plans_rank_0_of_a_tensor_parallel_run(capsys: pytest.CaptureFixture
     assert main(["plan", *LLAMA, "--tp-size", "2", *zero3]) == 0
     out = " ".join(capsys.readouterr().out.split())  # as one line, however it wrapped
     assert "tensor parallel x 2 (rank 0's shard): 4 ranks on a 2-D mesh" in out
+    assert main(["plan", *LLAMA, "--sequence-parallel"]) == 2
+    assert "--sequence-parallel needs --tp-size" in capsys.readouterr().out
+
+
+def test_fit_answers_for_rank_0_of_a_tensor_parallel_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``remat fit --tp-size 2 --sequence-parallel`` fits rank 0's step: the model and each
+    shallow copy the formula traces are parallelized on a fake world of their own (a fit
+    of this tiny Llama takes 40 s, so the fit itself is stubbed here; its native formula on
+    a parallel model is the one ``remat plan --tp-size`` traces)."""
+    import remat.cli as cli
+    from remat._torch_compat import fake_world_of, is_dtensor
+
+    seen: dict[str, object] = {}
+
+    def fit(model: torch.nn.Module, *a: object, copies: object = None, **kw: object) -> None:
+        seen["model"], seen["copies"] = model, copies
+        raise ValueError("stubbed")
+
+    monkeypatch.setattr(cli, "fit", fit)
+    args = ["fit", *LLAMA, "--executor", "sac", "--tp-size", "2", "--sequence-parallel"]
+    assert main(args) == 1 and "stubbed" in capsys.readouterr().err
+    model = seen["model"]
+    assert isinstance(model, torch.nn.Module) and fake_world_of(model) is not None
+    embed = model.get_input_embeddings()
+    assert is_dtensor(embed.weight)  # sequence parallelism shards the embedding's output
+    copies = seen["copies"]
+    assert callable(copies)
+    copy = copies(5)
+    assert fake_world_of(copy) not in (None, fake_world_of(model))
+    assert len(copy.model.layers) == 5 and is_dtensor(copy.model.layers[0].mlp.up_proj.weight)
+    assert main(["fit", *LLAMA, "--executor", "sac", "--sequence-parallel"]) == 2
+
+
+def test_a_plan_never_sees_another_fake_worlds_mesh(tmp_path: object) -> None:
+    """DTensor's caches key on meshes, and meshes of equal shape compare equal across fake
+    worlds: a cached result handed the first plan's mesh to the second plan's tensors, whose
+    groups are gone once a job's ``destroy_process_group()`` clears c10d's registry (seen in
+    the suite, after test_errors.py's in-process gloo group). Each fake world clears them."""
+    import torch.distributed as dist
+
+    tokens = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(7))
+
+    def planned() -> int:
+        with remat.fake_mode():
+            model = llama(2, 128).train()
+        tensor_parallel(model, 2, sequence_parallel=True)
+        remat.apply(model, tokens, plan="keep_all")
+        return remat.plan_of(model).predicted_peak_bytes
+
+    first = planned()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    dist.destroy_process_group()
+    assert planned() == first
+
+
+def test_sequence_parallelism_shards_what_the_norms_save() -> None:
+    """torchtitan's sequence-parallel plan, ahead of the job: each norm saves a sequence
+    shard of its input, so every fixed plan's peak falls below plain TP's (the 2-rank
+    check of these predictions is test_tensor_parallel.py's)."""
+    tokens = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(7))
+    peaks = {}
+    for sp in (False, True):
+        for name in ("keep_all", "block"):
+            with remat.fake_mode():
+                model = llama(3, 128).train()
+            tensor_parallel(model, 2, sequence_parallel=sp)
+            remat.apply(model, tokens, plan=name)
+            peaks[sp, name] = remat.plan_of(model).predicted_peak_bytes
+    assert peaks[True, "keep_all"] < peaks[False, "keep_all"], peaks
+    assert peaks[True, "block"] < peaks[False, "block"], peaks
+    with remat.fake_mode():
+        stage = llama(2, 128).train()
+    with pytest.raises(ValueError, match="sequence parallelism with pipeline stages"):
+        tensor_parallel(stage, 2, pp_size=2, sequence_parallel=True)
 
 
 def test_collectives_are_always_kept() -> None:

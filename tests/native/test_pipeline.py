@@ -339,3 +339,49 @@ def test_a_multi_stage_schedule_is_planned_rank_by_rank(tmp_path: Path) -> None:
     )
     assert applied(fresh).policies == applied(ours.modules[1]).policies
     assert applied(fresh).plan.predicted_peak_bytes == ours.stages[1].peak_bytes
+
+
+def test_a_stage_menu_is_costed_on_one_microbatch_and_its_plan_beats_every_uniform_one() -> None:
+    """A stage's menu costs come from one microbatch's step (a whole schedule step costs
+    as many microbatches more), so only the two ends of the menu, the DP's choices and the
+    plans it may have misjudged are traced through the schedule: on stage 0 of 4 under
+    1F1B (4 microbatches held), at a budget between its least and eager peaks, the chosen
+    plan recomputes no more than any one option on every block, or any Megatron first-N
+    plan, that fits (each traced here through the schedule)."""
+    from remat.graph.profiles import get_profile
+    from remat.native import planner
+    from remat.native.api import Stage
+    from remat.native.api import analyze as native_analyze
+    from remat.request import Request
+    from remat.solver.config import SolverConfig
+
+    x, _ = stage_inputs(0)
+    pipe = remat.Pipeline("1F1B", 0, 4, 4, loss_fn=pipeline_loss)
+    blocks = ("blocks.0", "blocks.1")
+    traced, problem = native_analyze(
+        GPTStage(0, 4), blocks, (x,), {}, Request.of(), get_profile("cpu"), stage=Stage(pipe)
+    )
+    calls = {True: 0, False: 0}
+
+    def tracer(policies, schedule=True):  # type: ignore[no-untyped-def]
+        calls[schedule] += 1
+        trace = traced.trace((x,), {}, policies, schedule)
+        assert (trace.schedule is not None) == schedule
+        return trace
+
+    every = planner.fixed(problem, "block", tracer).trace.peak_bytes
+    budget = (every + problem.baseline.peak_bytes) // 2
+    calls.update({True: 0, False: 0})
+    chosen = planner.solve(problem, tracer, budget_bytes=budget, config=SolverConfig())
+    n_opts = len(planner.menu(problem.streams[0]))
+    # Every option but the eager one (the baseline) on one microbatch; through the
+    # schedule: every block recomputed, the DP's choices, the MILP's rounds (9 here, where
+    # the menu alone took 10 before).
+    assert calls[False] == n_opts - 1, calls
+    assert chosen.trace.peak_bytes <= budget and chosen.trace.schedule is not None
+    whole = planner.fixed_policies(problem, "block")
+    others = [*planner.uniform_plans(problem).values(), (whole[0], None)]
+    for policies in others:
+        trace = traced.trace((x,), {}, policies)
+        if trace.peak_bytes <= budget:
+            assert chosen.trace.recompute_time_s <= trace.recompute_time_s, policies

@@ -7,7 +7,9 @@ on FakeTensors (collectives on fake tensors never leave the process). Per rank: 
 after each of 3 AdamW steps (attention dropout on) bitwise equal to the same parallel run
 without remat; the live-meter and allocator peaks the predicted ones (see below), below
 the budget and the eager peak; and as many collectives per step as without remat (a collective
-is never recomputed). Applied before ``parallelize_module``, the first step refuses. And
+is never recomputed). The same with sequence parallelism (torchtitan's plan), whose
+collectives make buffers of three sizes (:data:`SP_BUFFERS`). Applied before
+``parallelize_module``, the first step refuses. And
 planned ahead, on FakeTensors over a fake process group (``remat plan --tp-size``), each
 fixed plan's live-tensor peak is the one measured on the ranks.
 
@@ -29,6 +31,7 @@ pass the predicted one by the buffers gloo has yet to release (seen: at most one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,35 +47,53 @@ WORLD = 2
 IN_FLIGHT = 4 * 128 * 64 * 4  # batch x sequence x hidden, fp32: one all-reduced activation
 
 
+# Sequence parallelism's collectives make buffers of three sizes: an all-gathered sequence
+# (IN_FLIGHT), a reduce-scattered one (half), and the head's all-gathered logits (batch x
+# sequence x vocabulary, fp32). The last one freed is the one the prediction counts late.
+SP_BUFFERS = (IN_FLIGHT // 2, IN_FLIGHT, 4 * 128 * 128 * 4)
+
+
 def _late(predicted: int, measured: int, more: int = 0) -> bool:
     return gloo_late(predicted, measured, IN_FLIGHT, more)
 
 
-def _assert_rank(got: dict[str, Any], rank: int) -> None:
+def _late_sp(predicted: int, measured: int, more: int = 0) -> bool:
+    return gloo_late(predicted, measured, SP_BUFFERS, more)
+
+
+def _assert_rank(got: dict[str, Any], rank: int, late: Callable[..., bool] = _late) -> None:
     """What both checks hold per rank: trained bitwise, the planned peak between the least
-    and the budget, below eager, and measured as predicted (:func:`_late`)."""
+    and the budget, below eager, and measured as predicted (``late``: :func:`_late`, or
+    :func:`_late_sp` under sequence parallelism)."""
     assert got["solver"] == "native:exact"  # auto under TP: test_parallel.py, no processes
     assert_trained_alike(got, rank)
     ours = got["remat"]
     assert got["least"] < ours["peak"] <= got["budget"] < got["plain"]["peak"], got
-    assert _late(got["predicted_tensors"], ours["peak"]), (rank, ours, got)
-    assert _late(got["predicted"], ours["allocator"], more=2), (rank, ours, got)
+    assert late(got["predicted_tensors"], ours["peak"]), (rank, ours, got)
+    assert late(got["predicted"], ours["allocator"], more=2), (rank, ours, got)
     assert got["predicted"] <= got["budget"]
 
 
 @pytest.mark.slow
-def test_tensor_parallel_bitwise_and_predicted_per_rank(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_bitwise_and_predicted_per_rank(  # type: ignore[no-untyped-def]
+    tmp_path: Path, monkeypatch, sequence_parallel: bool
+) -> None:
+    """With sequence parallelism too (torchtitan's plan, :func:`remat.native.parallel.
+    llama_tp_plan`): norms on sequence shards, all-gathers before attention and the MLP,
+    reduce-scatters after them."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    mp.spawn(tp_worker.main, args=(WORLD, str(tmp_path)), nprocs=WORLD)
+    mp.spawn(tp_worker.main, args=(WORLD, str(tmp_path), sequence_parallel), nprocs=WORLD)
+    late = _late_sp if sequence_parallel else _late
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"tp_{rank}.pt")
-        _assert_rank(got, rank)
+        _assert_rank(got, rank, late)
         plain_collectives, remat_collectives = got["collectives"]
         assert plain_collectives > 0 and remat_collectives == plain_collectives
         assert "parallelize_module ran after remat.apply" in got["wrong_order"]
         assert "Parallelize first, then call remat.apply" in got["wrong_order"]
         measured, ahead = got["fixed"]  # ahead: planned with no process group
-        assert all(_late(ahead[name], measured[name]) for name in ahead), (rank, ahead, measured)
+        assert all(late(ahead[name], measured[name]) for name in ahead), (rank, ahead, measured)
 
 
 @pytest.mark.slow

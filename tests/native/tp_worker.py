@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.meter import measure_step, training_step
-from remat.native.parallel import tensor_parallel
+from remat.native.parallel import llama_tp_plan, tensor_parallel
 from tests.native.dist_worker import _train  # the same 3 AdamW steps, measured
 from tests.zoo import llama
 
@@ -33,8 +33,9 @@ def build() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(7))
 
 
-def parallelize(model: nn.Module, mesh: Any = None) -> nn.Module:
-    """torchtitan's Llama layout over ``mesh`` (default: every rank, one dimension)."""
+def parallelize(model: nn.Module, mesh: Any = None, sequence_parallel: bool = False) -> nn.Module:
+    """torchtitan's Llama layout over ``mesh`` (default: every rank, one dimension); with
+    ``sequence_parallel``, remat's copy of torchtitan's sequence-parallel plan."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -42,6 +43,10 @@ def parallelize(model: nn.Module, mesh: Any = None) -> nn.Module:
         parallelize_module,
     )
 
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if sequence_parallel:
+        return parallelize_module(model, mesh, llama_tp_plan(model, mesh.size(), True))
     plan: dict[str, Any] = {}
     for i in range(len(model.model.layers)):  # type: ignore[union-attr, arg-type]
         at = f"model.layers.{i}."
@@ -51,8 +56,6 @@ def parallelize(model: nn.Module, mesh: Any = None) -> nn.Module:
         plan[at + "mlp.up_proj"] = ColwiseParallel()
         plan[at + "self_attn.o_proj"] = RowwiseParallel()
         plan[at + "mlp.down_proj"] = RowwiseParallel()
-    if mesh is None:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     return parallelize_module(model, mesh, plan)
 
 
@@ -90,14 +93,14 @@ def _wrong_order(tokens: torch.Tensor) -> str:
     return "ran"
 
 
-def _planned_ahead(tokens: torch.Tensor) -> dict[str, int]:
+def _planned_ahead(tokens: torch.Tensor, sequence_parallel: bool) -> dict[str, int]:
     """Per fixed plan, the live-tensor peak planned with no process group: the model built on
     FakeTensors and parallelized over a fake one (``remat plan --tp-size``'s path)."""
     out = {}
     for name in ("keep_all", "block"):
         with remat.fake_mode():
             model, _ = build()
-        tensor_parallel(model, dist.get_world_size())
+        tensor_parallel(model, dist.get_world_size(), sequence_parallel=sequence_parallel)
         remat.apply(model, tokens, plan=name)
         out[name] = remat.plan_of(model).predicted_tensor_peak_bytes
     return out
@@ -113,13 +116,13 @@ def _measured(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
     return out
 
 
-def main(rank: int, world: int, out: str) -> None:
+def main(rank: int, world: int, out: str, sequence_parallel: bool = False) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         model, tokens = build()
-        parallelize(model)
+        parallelize(model, sequence_parallel=sequence_parallel)
         work = copy.deepcopy(model)
         fixed = _measured(model, tokens)
         collectives = _collectives(model, tokens)
@@ -137,7 +140,7 @@ def main(rank: int, world: int, out: str) -> None:
                 "remat": _train(work, tokens, rank),
                 "collectives": (collectives, _collectives(work, tokens)),
                 "wrong_order": _wrong_order(tokens),
-                "fixed": (fixed, _planned_ahead(tokens)),
+                "fixed": (fixed, _planned_ahead(tokens, sequence_parallel)),
                 "budget": budget,
                 "least": least,
                 "predicted": plan.predicted_peak_bytes,

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import remat
 from remat.models import TinyGPT
-from remat.solver.chain import _cached_menu, _menu_window, chain_solver
+from remat.solver.chain import (
+    ChainCosts,
+    _cached_menu,
+    _menu_window,
+    chain_dp,
+    chain_peak,
+    chain_solver,
+)
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.registry import least_peak, solve
 from remat.solver.structure import block_problem, find_structure
@@ -153,3 +162,33 @@ def test_the_all_blocks_window_frees_what_neighbouring_menu_options_disagree_on(
     extra = next(n for n in s.blocks[1].forward if n not in saved and n not in expected)
     assert _menu_window(s, {cls: menu}, saved | {extra}, 1) == expected | {extra}
     assert _menu_window(s, {cls: menu}, saved, 0) == set()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_chain_peak_is_the_dp_model_of_one_choice(seed: int) -> None:
+    """chain_peak evaluates the model chain_dp plans with: every choice the DP returns is
+    within the budget there, and the DP finds one whenever a uniform choice is (its
+    quantised bytes round up, so a choice exactly at the budget may be refused)."""
+    import random
+
+    rng = random.Random(seed)
+    n, n_opts = rng.randint(1, 6), rng.randint(1, 4)
+    costs = [
+        ChainCosts(
+            keep=[rng.randint(0, 1000) for _ in range(n)],
+            fw_base=[rng.randint(0, 2000) for _ in range(n)],
+            bw_base=[rng.randint(0, 2000) for _ in range(n)],
+            tail_base=rng.randint(0, 2000),
+            head=rng.randint(0, 500),
+            time_s=[rng.random() for _ in range(n)],
+        )
+        for _ in range(n_opts)
+    ]
+    budget = rng.randint(500, 8000)
+    choice = chain_dp(costs, budget, n)
+    if choice is not None:
+        assert chain_peak(costs, choice) <= budget
+    uniform = [chain_peak(costs, [o] * n) for o in range(n_opts)]
+    if min(uniform) <= budget - 10 * n:
+        assert choice is not None
