@@ -266,8 +266,7 @@ def plan_command(args: argparse.Namespace) -> int:
         except ValueError as e:
             console.print(f"[red]remat plan: {e}")
             return 2
-        sp = " with sequence parallelism" if args.sequence_parallel else ""
-        tp = f", tensor parallel x {args.tp_size}{sp} (rank 0's shard)"
+        tp = _tp_text(args)
         if args.zero_stage == 3 and args.world_size > 1:
             tp += f": {args.world_size * args.tp_size} ranks on a 2-D mesh"
     console.print(
@@ -742,7 +741,8 @@ def fit_command(args: argparse.Namespace) -> int:
     d = report.budget
     console.print(
         f"[bold]{built.description}[/]; {args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}"
-        f" x {args.world_size}, profile {args.device}, executor {executor}. Budget {_gb_text(d.budget_bytes)}: static "
+        f" x {args.world_size}{_tp_text(args)}, profile {args.device}, executor {executor}. "
+        f"Budget {_gb_text(d.budget_bytes)}: static "
         f"{_gb_text(d.static.total)}, reserve {_gb_text(d.reserve_bytes)}, step "
         f"{_gb_text(d.step_budget_bytes)}"
     )
@@ -803,6 +803,13 @@ def _executor_name(name: str) -> str:
             f"unknown executor {name!r}; valid: auto, {', '.join(EXECUTORS)}"
         )
     return name
+
+
+def _tp_text(args: argparse.Namespace) -> str:
+    if args.tp_size < 2:
+        return ""
+    sp = " with sequence parallelism" if args.sequence_parallel else ""
+    return f", tensor parallel x {args.tp_size}{sp} (rank 0's shard)"
 
 
 def _tp_options(p: argparse.ArgumentParser) -> None:
