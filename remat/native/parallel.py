@@ -78,12 +78,24 @@ def llama_tp_plan(
                 else RowwiseParallel()
             )
         elif sequence_parallel and leaf == "lm_head":
+            if m.out_features % tp_size:
+                raise ValueError(f"--tp-size {tp_size} does not divide {path}'s outputs")
             plan[path] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if not any(p.rsplit(".", 1)[-1] in COLWISE for p in plan):
         raise ValueError(
             f"{type(model).__name__} has no Llama-style projections ({', '.join(COLWISE)}; "
             f"{', '.join(ROWWISE)}): plan tensor parallelism inside the job instead "
             "(parallelize_module, then remat.apply on the parallel model)"
+        )
+    modules = dict(model.named_modules())
+    weights = [
+        modules[p].weight for p in plan if p.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")
+    ]
+    if sequence_parallel and len(weights) == 2 and weights[0] is weights[1]:
+        raise ValueError(
+            f"{type(model).__name__} ties its embedding and head weights, which sequence "
+            "parallelism shards two ways (rows, columns): plan it without sequence "
+            "parallelism, or untie them (tie_word_embeddings=False)"
         )
     if sequence_parallel and not any(p.rsplit(".", 1)[-1] == "embed_tokens" for p in plan):
         raise ValueError(

@@ -135,6 +135,9 @@ def test_sequence_parallelism_shards_what_the_norms_save() -> None:
         stage = llama(2, 128).train()
     with pytest.raises(ValueError, match="sequence parallelism with pipeline stages"):
         tensor_parallel(stage, 2, pp_size=2, sequence_parallel=True)
+    stage.lm_head.weight = stage.model.embed_tokens.weight  # tied, as small Llamas are
+    with pytest.raises(ValueError, match="ties its embedding and head weights"):
+        llama_tp_plan(stage, 2, sequence_parallel=True)
 
 
 def test_collectives_are_always_kept() -> None:
