@@ -346,13 +346,16 @@ class FakeWorld:
         this world cannot resolve) to this world's tensors, or a fake one to the job's."""
         c10d = torch.distributed.distributed_c10d
         previous = c10d._world
-        clear_dtensor_caches()
+        switching = previous is not self._world  # not a nested entry of this world
+        if switching:
+            clear_dtensor_caches()
         c10d._world = self._world  # type: ignore[assignment]
         try:
             yield
         finally:
             c10d._world = previous
-            clear_dtensor_caches()
+            if switching:
+                clear_dtensor_caches()
 
 
 def clear_dtensor_caches() -> None:
