@@ -73,18 +73,37 @@ def train_1f1b(
     x, tokens, targets = batch
     pipe_stage = _stage(module, stage, n_stages, x, group)
     schedule = Schedule1F1B(pipe_stage, n_microbatches=microbatches, loss_fn=pipeline_loss)
+    ends = (stage == 0, stage == n_stages - 1)
+    params, peaks = _steps(module, schedule, rank, ends, (tokens, targets), whole)
+    return {"params": params, "peaks": peaks}
+
+
+def _steps(
+    module: nn.Module,
+    schedule: Any,
+    rank: int,
+    ends: tuple[bool, bool],
+    data: tuple[torch.Tensor, torch.Tensor],
+    whole: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[list[dict[str, torch.Tensor]], list[Any]]:
+    """3 AdamW steps of ``module`` through ``schedule``: the parameters after each (as
+    ``whole`` gives them) and each step's peaks. ``ends``: whether the rank holds the first
+    stage (it feeds the step's tokens) and the last (it takes the targets), ``data``."""
+    (first, last), (tokens, targets) = ends, data
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     params, peaks = [], []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(1000 * (rank + 1) + step)
-        if stage == 0:
+        if first:
             peaks.append(peaks_of(lambda: schedule.step(tokens)))
-        else:
+        elif last:
             peaks.append(peaks_of(lambda: schedule.step(target=targets, losses=[])))
+        else:
+            peaks.append(peaks_of(schedule.step))
         opt.step()
         params.append({n: whole(p).clone() for n, p in module.named_parameters()})
-    return {"params": params, "peaks": peaks}
+    return params, peaks
 
 
 def _indices(name: str, rank: int, world: int) -> list[int]:
@@ -128,19 +147,8 @@ def _train(module: nn.Module, schedule_name: str, rank: int, world: int) -> dict
     )
     tokens, _ = stage_inputs(0, MICROBATCH * MICROBATCHES)
     _, targets = stage_inputs(n - 1, MICROBATCH * MICROBATCHES)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    params, peaks = [], []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(1000 * (rank + 1) + step)
-        if rank == 0:
-            peaks.append(peaks_of(lambda: schedule.step(tokens)))
-        elif rank == world - 1:
-            peaks.append(peaks_of(lambda: schedule.step(target=targets, losses=[])))
-        else:
-            peaks.append(peaks_of(schedule.step))
-        opt.step()
-        params.append({n: p.detach().clone() for n, p in module.named_parameters()})
+    ends = (rank == 0, rank == world - 1)
+    params, peaks = _steps(module, schedule, rank, ends, (tokens, targets), torch.Tensor.detach)
     first_step = order[: len(order) // STEPS]
     return {"params": params, "peaks": peaks, "order": " ".join(first_step)}
 
