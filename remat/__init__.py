@@ -23,6 +23,7 @@ from remat.native.regions import BlockError
 from remat.native.state import plan_of
 from remat.native.trace import TraceError
 from remat.pipeline import Analysis, BudgetError, analyze
+from remat.pipeline_fit import fit_pipeline
 from remat.planfile import PlanFileError
 from remat.problem import Problem
 from remat.report import explain
@@ -53,6 +54,7 @@ __all__ = [
     "apply",
     "explain",
     "fake_mode",
+    "fit_pipeline",
     "measure_step",
     "memory_formula",
     "optimize",

@@ -60,6 +60,7 @@ from remat.native.split import CausalLMStage, causal_lm_stages, stage_example
 from remat.native.state import applied
 from remat.native.trace import FSDP_PARAM_DTYPES, StepTrace, TraceError
 from remat.pipeline import analyze
+from remat.pipeline_fit import PipelineFitReport, fit_pipeline
 from remat.plots import fit_plot, pareto_plot, timeline_plot
 from remat.presets import PRESETS, Built, build, parse_settings
 from remat.problem import Problem
@@ -306,26 +307,10 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
     """``--pp-size``: the model cut into stages (:mod:`remat.native.split`), every stage
     planned at once (:func:`remat.plan_pipeline`), one device budget per rank; with
     ``--stages-per-rank V`` (Interleaved1F1B, LoopedBFS) ``pp_size x V`` stages."""
-    if executor != "sac":
-        console.print("[red]remat plan: --pp-size plans remat.apply's executor: use --executor sac")
-        return 2
-    microbatches = args.microbatches or args.pp_size
-    tokens = built.args[0] if built.args else None
-    if not isinstance(tokens, torch.Tensor) or tokens.shape[0] % microbatches:
-        console.print(
-            f"[red]remat plan: --batch {args.batch} does not split into {microbatches} microbatches"
-        )
-        return 2
     t0 = time.perf_counter()
     per_rank = args.stages_per_rank
     try:
-        stages = causal_lm_stages(built.model, args.pp_size * per_rank)
-        micro = tokens[: tokens.shape[0] // microbatches]
-        # Under FSDP2's mixed precision the stages compute, and so send, in its dtype.
-        dtype = FSDP_PARAM_DTYPES.get(args.precision) or next(built.model.parameters()).dtype
-        inputs = [stage_example(s, micro, dtype) for s in stages]
-        if args.tp_size > 1:
-            _tensor_parallel_stages(stages, args, per_rank)
+        stages, inputs, micro, microbatches = _pipeline_stages(args, built, executor)
     except ValueError as e:
         console.print(f"[red]remat plan: {e}")
         return 2
@@ -372,6 +357,28 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
             path = root.with_name(f"{root.stem}.{what}{r}{root.suffix}")
             console.print(f"{what} {r}'s plan written to {save_plan(module, path)}")
     return 0
+
+
+def _pipeline_stages(
+    args: argparse.Namespace, built: Built, executor: str
+) -> tuple[list[CausalLMStage], list[torch.Tensor], torch.Tensor, int]:
+    """``--pp-size``: the model's stages (tensor-parallel with ``--tp-size``), one
+    microbatch's input of each, that microbatch's tokens and the number of microbatches."""
+    if executor != "sac":
+        raise ValueError("--pp-size plans remat.apply's executor: use --executor sac")
+    microbatches = args.microbatches or args.pp_size
+    tokens = built.args[0] if built.args else None
+    if not isinstance(tokens, torch.Tensor) or tokens.shape[0] % microbatches:
+        raise ValueError(f"--batch {args.batch} does not split into {microbatches} microbatches")
+    per_rank = args.stages_per_rank
+    stages = causal_lm_stages(built.model, args.pp_size * per_rank)
+    micro = tokens[: tokens.shape[0] // microbatches]
+    # Under FSDP2's mixed precision the stages compute, and so send, in its dtype.
+    dtype = FSDP_PARAM_DTYPES.get(args.precision) or next(built.model.parameters()).dtype
+    inputs = [stage_example(s, micro, dtype) for s in stages]
+    if args.tp_size > 1:
+        _tensor_parallel_stages(stages, args, per_rank)
+    return stages, inputs, micro, microbatches
 
 
 def _tensor_parallel_stages(
@@ -707,6 +714,8 @@ def fit_command(args: argparse.Namespace) -> int:
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
         executor = executor_of(args)
+        if args.pp_size > 1:
+            return _fit_pipeline(args, built, executor, console, err)
         shallow = _shallow(args.model, args, built.model) if executor == "graph" else None
         copies = _copies(args.model, args, built.model) if executor == "sac" else None
         if args.sequence_parallel and args.tp_size < 2:
@@ -779,6 +788,102 @@ def fit_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_pipeline(
+    args: argparse.Namespace, built: Built, executor: str, console: Console, err: Console
+) -> int:
+    """``remat fit --pp-size``: every rank of the pipeline within its budget
+    (:func:`remat.fit_pipeline`), the microbatch size searched at ``--microbatches``."""
+    if args.plot:
+        raise ValueError("--plot draws one device's memory: not with --pp-size")
+    if args.sequence_parallel:
+        raise ValueError("--sequence-parallel with --pp-size is not supported yet")
+    t0 = time.perf_counter()
+    stages, inputs, micro, microbatches = _pipeline_stages(args, built, executor)
+    err.print(f"executor: {EXECUTORS[executor]}")
+    status = err.status("tracing the stages...")
+    with status:
+        req = dataclasses.replace(
+            _request(args, lambda msg: status.update(msg)),
+            block_types=("layers.*", "*.layers.*"),
+        )
+        try:
+            report = fit_pipeline(
+                stages,
+                inputs,
+                schedule=args.pp_schedule,
+                microbatches=microbatches,
+                loss_fn=_next_token_loss,
+                target=micro,
+                stages_per_rank=args.stages_per_rank,
+                menus=args.menus,
+                request=req,
+            )
+        except (StaticMemoryError, ValueError, TraceError) as e:
+            err.print(f"[red]remat fit: {escape(str(e))}")
+            return 1
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    digits = max(2, 2 - math.floor(math.log10(args.budget_gb)))
+    static = " / ".join(f"{b.static.total / GB:.{digits}f}" for b in report.budgets)
+    console.print(
+        f"[bold]{built.description}[/]: {len(stages)} stages on {len(report.budgets)} ranks "
+        f"(layers per stage: {', '.join(str(len(s.layers)) for s in stages)}), "
+        f"{report.schedule}, {microbatches} microbatches{_tp_text(args)}; {args.precision}, "
+        f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}, profile "
+        f"{args.device}. Budget {args.budget_gb:g} GB per rank's device; static per rank "
+        f"{static} GB"
+    )
+    console.print(_pipeline_fit_table(report, args.budget_gb, digits))
+    console.print(
+        "per rank (0 / 1 / ...): device GB = static + the peak of a whole schedule step "
+        "(every microbatch in flight, the receive buffers; the reserve comes on top); "
+        "recompute %: of the rank's estimated step time. Bound by: the rank that does not fit "
+        "one more. A step's batch is the microbatch times the microbatches."
+    )
+    console.print(f"wall time {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _pipeline_fit_table(report: PipelineFitReport, budget_gb: float, digits: int) -> Table:
+    table = Table(title=f"what fits in {budget_gb:g} GB on every rank", box=box.SIMPLE_HEAD)
+    for col in ("plan", f"max seq (microbatch {report.microbatch})", "bound by",
+                "device GB per rank", "recompute % per rank",
+                f"max microbatch (seq {report.seq})", "step batch", "bound by "):  # fmt: skip
+        table.add_column(col, justify="left" if col == "plan" else "right")
+
+    def ranks(choices: tuple[Any, ...], what: str) -> str:
+        if what == "gb":
+            return " / ".join(
+                f"{(b.static.total + ch.step_peak_bytes) / GB:.{digits}f}"
+                for b, ch in zip(report.budgets, choices, strict=True)
+            )
+        return " / ".join(f"{ch.recompute_pct:.1f}" for ch in choices)
+
+    for name, row in report.plans.items():
+        cells = [name]
+        if row.max_seq is None:
+            cells += ["[red]none fits", "", "", ""]
+        else:
+            limit = " (limit)" if row.max_seq == report.seq_limit else ""
+            cells += [
+                f"{row.max_seq}{limit}",
+                "-" if row.seq_bound_by is None else f"rank {row.seq_bound_by}",
+                ranks(row.at_max_seq, "gb"),
+                ranks(row.at_max_seq, "pct"),
+            ]
+        if row.max_microbatch is None:
+            cells += ["[red]none fits", "", ""]
+        else:
+            cells += [
+                str(row.max_microbatch),
+                str(row.max_microbatch * report.microbatches),
+                "-" if row.microbatch_bound_by is None else f"rank {row.microbatch_bound_by}",
+            ]
+        table.add_row(*cells)
+    return table
+
+
 def _fit_curves(report: FitReport) -> dict[str, list[tuple[int, int]]]:
     limit = report.seq_limit or 8 * (report.seq or 1)
     lengths = sorted({max(3, limit * k // 32) for k in range(1, 33)})
@@ -827,6 +932,33 @@ def _tp_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --tp-size: torchtitan's sequence parallelism too (norms on sequence "
         "shards, all-gathers before attention and the MLP, reduce-scatters after them)",
+    )
+
+
+def _pp_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pp-size",
+        type=int,
+        default=1,
+        help="pipeline stages (Llama-family models; --executor sac): the layers split evenly, "
+        "each stage on a rank of its own, within its budget over a whole schedule step",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        default="1F1B",
+        help="pipeline schedule: 1F1B, GPipe; with --stages-per-rank, Interleaved1F1B or LoopedBFS",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=1,
+        help="stages on each pipeline rank (multi-stage schedules): --pp-size x this stages",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per step with --pp-size (default: --pp-size); --batch is the step's",
     )
 
 
@@ -885,30 +1017,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--solver", default=None, help="default: auto")
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
     _tp_options(p)
-    p.add_argument(
-        "--pp-size",
-        type=int,
-        default=1,
-        help="pipeline stages (Llama-family models; --executor sac): the layers split evenly, "
-        "each stage planned for a rank of its own over a whole schedule step",
-    )
-    p.add_argument(
-        "--pp-schedule",
-        default="1F1B",
-        help="pipeline schedule: 1F1B, GPipe; with --stages-per-rank, Interleaved1F1B or LoopedBFS",
-    )
-    p.add_argument(
-        "--stages-per-rank",
-        type=int,
-        default=1,
-        help="stages on each pipeline rank (multi-stage schedules): --pp-size x this stages",
-    )
-    p.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="microbatches per step with --pp-size (default: --pp-size); --batch is the step's",
-    )
+    _pp_options(p)
     p.set_defaults(func=plan_command)
     c = sub.add_parser(
         "compare",
@@ -938,6 +1047,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.add_argument("--max-seq", type=int, default=None,
                    help="longest length searched (default: the model's positions)")  # fmt: skip
     _tp_options(f)
+    _pp_options(f)
+    f.add_argument(
+        "--menus",
+        action="store_true",
+        help="with --pp-size: also each uniform option of the chain DP's per-block menu "
+        "(finer remat <= N%% rows; each traced through the schedule at 7-11 shapes per rank)",
+    )
     f.add_argument("--json", action="store_true", help="print the answers as JSON only")
     f.add_argument("--plot", default=None, metavar="OUT.png",
                    help="device memory against sequence length per plan, with the budget")  # fmt: skip

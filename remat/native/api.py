@@ -296,10 +296,23 @@ class Traced:
     autocast: torch.dtype | None
 
     def trace(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], policies: Any, schedule: bool = True
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        policies: Any,
+        schedule: bool = True,
+        **stage: Any,
     ) -> StepTrace:
+        """``stage``: a pipeline stage's ``target`` and ``schedule_events``
+        (:meth:`FakeModel.trace`)."""
         return self.fake.trace(
-            args, kwargs, policies, profile=self.profile, autocast=self.autocast, schedule=schedule
+            args,
+            kwargs,
+            policies,
+            profile=self.profile,
+            autocast=self.autocast,
+            schedule=schedule,
+            **stage,
         )
 
 

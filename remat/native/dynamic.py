@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from math import lcm
 from typing import Any
@@ -38,6 +38,7 @@ __all__ = [
     "Sample",
     "moments",
     "sample_of",
+    "schedule_sample",
     "trace_dynamic",
 ]
 
@@ -146,6 +147,31 @@ class Sample:
     """Bytes the forward leaves to the backward."""
     peak: int
     tensor_peak: int
+
+
+def schedule_sample(trace: StepTrace) -> Sample:
+    """A pipeline stage's step as the fit reads it: the moments of its whole
+    ``schedule.step()`` (traced with ``schedule_events``), which hold its peak; the ops and
+    saved bytes of one microbatch's step, which every microbatch repeats (a recompute share
+    is the same over one as over all)."""
+    sched = trace.schedule
+    if sched is None or not sched.events:
+        raise ValueError("trace the stage with schedule_events=True")
+    one = sample_of(trace)
+    return replace(
+        one,
+        moments=tuple(
+            (event_name(trace, e), e.allocated_bytes, e.tensor_bytes)
+            for e in sched.events
+            if e.moved_bytes or e.new_bytes or e.scratch_bytes
+        ),
+        between=(
+            ("between ops: unseen allocations", sched.unseen_peak_bytes, False),
+            ("between ops: live storages", sched.tensor_peak_bytes, True),
+        ),
+        peak=sched.peak_bytes,
+        tensor_peak=sched.tensor_peak_bytes,
+    )
 
 
 def _signature(e: OpEvent) -> tuple[object, ...]:

@@ -14,16 +14,23 @@ from remat.budget import StaticMemory
 from remat.graph.dynamic import Dims, inputs_at
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import regions
-from remat.native.api import Traced, analyze, kv_cache_off
+from remat.native.api import Stage, Traced, analyze, kv_cache_off
 from remat.native.deep import SHALLOW, deep_sample
-from remat.native.dynamic import NativeDynamic, Sample, sample_of, trace_dynamic
+from remat.native.dynamic import (
+    NativeDynamic,
+    Sample,
+    sample_of,
+    schedule_sample,
+    trace_dynamic,
+)
+from remat.native.pipelining import Pipeline
 from remat.native.planner import NATIVE_PLANS, NativeProblem, fixed_policies, uniform_plans
 from remat.native.regions import Policy
 from remat.peak_formula import MemoryFormula
 from remat.request import Request, resolve_profile
 from remat.solver.formula import FitError
 
-__all__ = ["Copies", "formula_of", "native_dynamic"]
+__all__ = ["Copies", "formula_of", "native_dynamic", "stage_dynamic"]
 
 Copies = Callable[[int], nn.Module]
 """Builds a copy of the model with ``n`` blocks (the same configuration otherwise)."""
@@ -94,6 +101,50 @@ def native_dynamic(
         dynamic = trace_dynamic(
             sample_at, chosen, dims, max_seq=request.max_seq, batch=batch, progress=progress
         )
+    return dynamic, problem
+
+
+def stage_dynamic(
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    pipeline: Pipeline,
+    target: Any,
+    request: Request,
+    *,
+    menus: bool = True,
+    batch: int | None = None,
+) -> tuple[NativeDynamic, NativeProblem]:
+    """A pipeline rank's stage (or its stages, one ``nn.ModuleList`` with one input each) at
+    every microbatch shape: each plan's whole ``schedule.step()`` traced at the fit's shapes
+    and every moment of it fitted, as :func:`native_dynamic` fits one step's. The schedule
+    runs the same actions in the same order at every shape, so each moment's bytes are
+    polynomials in ``(b, s)`` as one step's are, and the peak over the step (every microbatch
+    in flight, the receive buffers) is exact at every shape, not scaled from one
+    microbatch's. ``inputs``: one microbatch's (token ids or the activations received, dim 1
+    the sequence); ``target``: the last stage's, of the tokens' shape. ``batch``: only the
+    range of shapes that holds that microbatch size (:func:`remat.graph.dynamic.range_shapes`)."""
+    dims = Dims.of(inputs, {}, seq=True)
+    profile = get_profile(resolve_profile(module, request.device_profile))
+    traced, problem = analyze(
+        module,
+        regions.find_blocks(module, request.block_types),
+        inputs,
+        {},
+        request,
+        profile,
+        stage=Stage(pipeline, target),
+    )
+    chosen = _plans(problem, NATIVE_PLANS, menus)
+
+    def sample_at(b: int, s: int | None, name: str, policies: Sequence[Policy]) -> Sample:
+        a, _ = inputs_at(inputs, {}, dims, b, s)
+        t = None if target is None else inputs_at((target,), {}, dims, b, s)[0][0]
+        step = traced.trace(a, {}, policies, target=t, schedule_events=True)
+        return schedule_sample(step)
+
+    dynamic = trace_dynamic(
+        sample_at, chosen, dims, max_seq=request.max_seq, batch=batch, progress=request.progress
+    )
     return dynamic, problem
 
 

@@ -167,7 +167,7 @@ def plan_pipeline(
     budgets: list[int | None] = []
     try:
         for r, pipe in enumerate(pipes):
-            module, x = _rank(stages, stage_inputs, pipe)
+            module, x = rank_module(stages, stage_inputs, pipe)
             stage_req = req
             if stage_budgets is not None:
                 stage_req = replace(
@@ -190,7 +190,7 @@ def plan_pipeline(
     return _report(pipes, states, budgets, modules)
 
 
-def _rank(
+def rank_module(
     stages: Sequence[nn.Module], stage_inputs: Sequence[Any], pipe: Pipeline
 ) -> tuple[nn.Module, Any]:
     """What ``remat.apply`` plans for ``pipe``'s rank: its stage and that stage's inputs, or

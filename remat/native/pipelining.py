@@ -175,6 +175,11 @@ class ScheduleTrace:
     """At the allocator, over the whole step (receive buffers included: allocated by the
     first step, they stay for every later one)."""
     tensor_peak_bytes: int
+    events: tuple[Any, ...] = ()
+    """Every op of the step (:class:`remat.native.trace.OpEvent`, which imports this
+    module), when the trace was asked to keep them (``schedule_events``)."""
+    unseen_peak_bytes: int = 0
+    """As :attr:`remat.native.trace.StepTrace.unseen_peak_bytes`, over the step."""
 
     @property
     def max_in_flight(self) -> int:

@@ -643,11 +643,16 @@ class FakeModel:
         profile: DeviceProfile,
         autocast: torch.dtype | None = None,
         schedule: bool = True,
+        target: Any = None,
+        schedule_events: bool = False,
     ) -> StepTrace:
         """Run one training step (as :func:`remat.meter.training_step`) with ``policies[k]``
         on block ``k`` and record it; on a pipeline stage, then one ``schedule.step()``,
         which sets the peak, unless ``schedule`` is false: one microbatch's step alone then,
-        whose per-block quantities are the same at a tenth of the cost (8 microbatches)."""
+        whose per-block quantities are the same at a tenth of the cost (8 microbatches).
+        ``target``: the last stage's microbatch target at these inputs' shape (default: the
+        one given at construction). ``schedule_events``: keep the schedule step's events
+        (:attr:`ScheduleTrace.events`, for fitting its peak over shapes; large at scale)."""
         where = where_measured_on(self.source_device, profile.name)
         recorder = self._new_recorder(profile)
         for p in self.module.parameters():
@@ -694,7 +699,12 @@ class FakeModel:
         )
         if self.pipeline is None or not schedule:
             return step
-        stepped = self._trace_schedule(fake_args, policies, profile)
+        if target is not None:
+            with self.mode:
+                target = tc.tree_map(self._fake, target)
+        stepped = self._trace_schedule(
+            fake_args, policies, profile, self.target if target is None else target, schedule_events
+        )
         return replace(
             step,
             peak_bytes=stepped.peak_bytes,
@@ -790,7 +800,12 @@ class FakeModel:
             )
 
     def _trace_schedule(
-        self, args: tuple[Any, ...], policies: Sequence[Policy], profile: DeviceProfile
+        self,
+        args: tuple[Any, ...],
+        policies: Sequence[Policy],
+        profile: DeviceProfile,
+        target: Any,
+        events: bool,
     ) -> ScheduleTrace:
         """One ``schedule.step()`` of the stage under ``policies``, recorded (the module
         docstring of :mod:`remat.native.pipelining`): a fresh ``PipelineStage`` each time,
@@ -817,7 +832,7 @@ class FakeModel:
             # metadata clean-up), which the recorder must not see as a free in the step.
             tc.reshard_fsdp(self.module)
             batch = tuple(torch.cat([a] * n) for a in per_stage[0])  # the user's, made before
-            target = None if self.target is None else torch.cat([self.target] * n)
+            target = None if target is None else torch.cat([target] * n)
             # Every rank passes a loss function: without one a schedule runs no backward.
             schedule = tc.pipeline_schedule_class(pipe.schedule)(
                 stages if several else stages[0],
@@ -860,7 +875,14 @@ class FakeModel:
                 else:
                     schedule.step()
         peak = recorder.allocator_peak()
-        return ScheduleTrace(pipe, tuple(actions), peak, recorder.peak_bytes)
+        return ScheduleTrace(
+            pipe,
+            tuple(actions),
+            peak,
+            recorder.peak_bytes,
+            recorder.events() if events else (),
+            recorder.unseen_peak,
+        )
 
     def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None, policy: str) -> None:
         """One unrecorded step: FSDP2 initialises lazily in its first forward (its unsharded
