@@ -30,8 +30,8 @@ and the heuristics leave time on the table. But it is a chain of identical block
    fixed, while time remains, to recover what the decomposition misses where blocks meet each
    other and the embeddings and head, and memory one block can give another.
 
-7. **A lower bound** at any size: :func:`remat.solver.bound.backward_start_bound` (only the
-   moment the backward starts, one binary per value), recorded as the plan's
+7. **A lower bound** at any size: :func:`remat.solver.bound.backward_bound` (the backward's
+   start and its ops' moments, one binary per value, no time index), recorded as the plan's
    ``lower_bound_s``.
 
 Values outside the blocks (embeddings, head, loss) keep what their backward reads; every block's
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import pulp
 
 from remat.problem import Problem, Role
-from remat.solver.bound import backward_start_bound
+from remat.solver.bound import backward_bound
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
@@ -223,7 +223,7 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         # valid; taken before the refinement, which uses all the time left.
         share = min(BOUND_S, max(1.0, BOUND_SHARE * config.time_limit_s))
         with contextlib.suppress(pulp.PulpSolverError):
-            bound = backward_start_bound(
+            bound = backward_bound(
                 problem, budget_bytes, dataclasses.replace(config, time_limit_s=share)
             )
     best, windows = _refine(
@@ -242,7 +242,7 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     )
     if bound is not None:
         bound = min(bound, best.recompute_time_s)  # solver tolerances
-        reason += f", lower bound {bound * 1e3:.4g} ms (where the backward starts)"
+        reason += f", lower bound {bound * 1e3:.4g} ms (at the backward's moments)"
     reason += f", {time.perf_counter() - t0:.1f} s"
     plan = dataclasses.replace(
         best, solver="chain", reason=reason, proof=Proof.NEIGHBOURHOOD, lower_bound_s=bound
