@@ -22,7 +22,7 @@ SETTINGS = ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128",
             "max_position_embeddings=256"]  # fmt: skip
 FIT = ["fit", "hf:llama", *(x for kv in SETTINGS for x in ("--set", kv)), "--seq", "64",
        "--batch", "4", "--device", "cpu", "--executor", "sac", "--pp-size", "2",
-       "--microbatches", "2", "--budget-gb", "0.002"]  # fmt: skip
+       "--microbatches", "2", "--budget-gb", "0.0025"]  # fmt: skip
 
 
 def _stage_peaks(plan: str, b: int, s: int) -> list[int]:
@@ -56,7 +56,7 @@ def test_fit_answers_for_every_rank_of_a_pipeline(
     every rank's step (2 microbatches in flight on rank 0) is within its budget, and one
     token more puts the rank the report names over, by ``remat.apply``'s own traces; the
     report's device bytes are static + those traces' peaks. The table says the same (from
-    the same report: a fit takes ~20 s here)."""
+    the same report: a fit takes ~15 s here)."""
     reports: list[PipelineFitReport] = []
 
     def recorded(*args: Any, **kwargs: Any) -> PipelineFitReport:
@@ -77,6 +77,8 @@ def test_fit_answers_for_every_rank_of_a_pipeline(
         assert row["peak_bytes_at_max_seq"] == [a + p for a, p in zip(static, at, strict=True)]
         assert _stage_peaks(plan, 2, s + 1)[bound] > step_budget[bound], name
     rows = got["plans"]
+    # Each plan is bound by another rank: rank 0 holds 2 microbatches, rank 1 the head.
+    assert [rows[n]["seq_bound_by"] for n in ("no checkpointing", "every block")] == [0, 1]
     assert rows["every block"]["max_seq"] > rows["no checkpointing"]["max_seq"]
     assert rows["least peak"]["max_seq"] >= rows["every block"]["max_seq"]
     assert rows["every block"]["max_batch"] == 2 * rows["every block"]["max_microbatch"]
