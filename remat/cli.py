@@ -716,6 +716,11 @@ def fit_command(args: argparse.Namespace) -> int:
         executor = executor_of(args)
         if args.pp_size > 1:
             return _fit_pipeline(args, built, executor, console, err)
+        if args.menus:
+            raise ValueError(
+                "--menus is for --pp-size (one device's fit with --executor sac always "
+                "traces the chain DP's menus)"
+            )
         shallow = _shallow(args.model, args, built.model) if executor == "graph" else None
         copies = _copies(args.model, args, built.model) if executor == "sac" else None
         if args.sequence_parallel and args.tp_size < 2:

@@ -148,7 +148,7 @@ def fit_pipeline(
     loss_fn: Callable[[Any, Any], Any],
     target: Any,
     stages_per_rank: int = 1,
-    menus: bool = True,
+    menus: bool = False,
     max_microbatch: int = 1 << 16,
     request: Request | None = None,
     **flat: Unpack[RequestArgs],
@@ -160,8 +160,9 @@ def fit_pipeline(
 
     The request needs a device budget (per rank: each holds its stages); its ``max_seq`` is
     the longest length searched (default: the stages' ``config.max_position_embeddings``,
-    else 8x the example's). ``menus``: also each uniform option of the chain DP's menus, as
-    ``remat fit --executor sac`` does (more traces; the fixed plans alone otherwise).
+    else 8x the example's). ``menus``: also each uniform option of the chain DP's menus
+    (``remat fit --pp-size --menus``; each one more schedule trace per shape and rank), for
+    finer ``remat <= N%`` rows; the fixed plans alone by default.
     """
     req = request_of(request, flat)
     n = len(stages)

@@ -89,3 +89,6 @@ def test_fit_answers_for_every_rank_of_a_pipeline(
     assert f"every block {rows['every block']['max_seq']} rank" in out, out
     assert main([*FIT, "--plot", "x.png"]) == 2
     assert "not with --pp-size" in capsys.readouterr().err
+    alone = [a for a in FIT if a not in ("--pp-size", "2", "--microbatches")]
+    assert main([*alone, "--menus"]) == 2
+    assert "--menus is for --pp-size" in capsys.readouterr().err
