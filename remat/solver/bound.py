@@ -50,9 +50,11 @@ class Moment:
 
 
 def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
-    """The backward ops' moments that can bind, at most ``limit``: a moment is kept only if
-    more is live there whatever the plan than at every earlier one (an earlier moment has at
-    least the same saved values after it)."""
+    """The backward ops' moments most likely to bind, at most ``limit`` (any subset gives a
+    valid bound): a moment is kept only if more is live there whatever the plan than at every
+    earlier one, since an earlier moment has the later one's saved values after it too (a
+    heuristic: the earlier one may count a storage as always live that the later one counts
+    as saved)."""
     values = problem.by_name
     fwd = problem.forward_names
     backward = [v for v in problem.values if v.role is Role.BACKWARD]
