@@ -329,18 +329,8 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
     with progress:
         try:
             req = _request(args, lambda msg: progress.update(f"planning: {msg}"))
-            # One layer a stage too; a rank of several stages plans them as one ModuleList.
-            blocks = ("layers.*", "*.layers.*")
-            req = dataclasses.replace(req, block_types=blocks)
             planned = plan_pipeline(
-                stages,
-                inputs,
-                schedule=args.pp_schedule,
-                microbatches=microbatches,
-                loss_fn=_next_token_loss,
-                target=micro,
-                stages_per_rank=per_rank,
-                request=req,
+                stages, inputs, **_pipeline_options(args, req, micro, microbatches)
             )
         except (ValueError, TraceError) as e:
             console.print(f"[red]remat plan: {e}")
@@ -379,6 +369,23 @@ def _pipeline_stages(
     if args.tp_size > 1:
         _tensor_parallel_stages(stages, args, per_rank)
     return stages, inputs, micro, microbatches
+
+
+def _pipeline_options(
+    args: argparse.Namespace, req: Request, micro: torch.Tensor, microbatches: int
+) -> dict[str, Any]:
+    """What ``remat plan`` and ``remat fit`` with ``--pp-size`` tell the pipeline planner
+    (:func:`remat.plan_pipeline`, :func:`remat.fit_pipeline`) besides the stages: the
+    schedule, the next-token loss on ``micro``, and the request with the stages' layers as
+    the blocks (one layer a stage too; a rank of several stages plans them as one list)."""
+    return {
+        "schedule": args.pp_schedule,
+        "microbatches": microbatches,
+        "loss_fn": _next_token_loss,
+        "target": micro,
+        "stages_per_rank": args.stages_per_rank,
+        "request": dataclasses.replace(req, block_types=("layers.*", "*.layers.*")),
+    }
 
 
 def _tensor_parallel_stages(
@@ -807,21 +814,13 @@ def _fit_pipeline(
     err.print(f"executor: {EXECUTORS[executor]}")
     status = err.status("tracing the stages...")
     with status:
-        req = dataclasses.replace(
-            _request(args, lambda msg: status.update(msg)),
-            block_types=("layers.*", "*.layers.*"),
-        )
+        req = _request(args, lambda msg: status.update(msg))
         try:
             report = fit_pipeline(
                 stages,
                 inputs,
-                schedule=args.pp_schedule,
-                microbatches=microbatches,
-                loss_fn=_next_token_loss,
-                target=micro,
-                stages_per_rank=args.stages_per_rank,
                 menus=args.menus,
-                request=req,
+                **_pipeline_options(args, req, micro, microbatches),
             )
         except (StaticMemoryError, ValueError, TraceError) as e:
             err.print(f"[red]remat fit: {escape(str(e))}")

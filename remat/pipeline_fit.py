@@ -29,7 +29,7 @@ from remat.graph.dynamic import Dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native.dynamic import NativeDynamic, NativeRange
 from remat.native.formula import stage_dynamic
-from remat.native.pipeline_plan import rank_module
+from remat.native.pipeline_plan import rank_module, rank_pipelines
 from remat.native.pipelining import Pipeline
 from remat.request import Request, RequestArgs, request_of, resolve_profile
 
@@ -122,11 +122,13 @@ class _RankPlanner:
 
     def _range(self, b: int, s: int) -> NativeRange | None:
         r = next((r for r in self.ranges if r.contains(b, s)), None)
-        lo_hi = [r.shapes.b_range for r in self.ranges]
-        if r is None and not any(lo <= b and (hi is None or b <= hi) for lo, hi in lo_hi):
-            self.ranges += self._trace_range(b).ranges
-            r = next((r for r in self.ranges if r.contains(b, s)), None)
-        return r
+        if r is not None:
+            return r
+        traced = [r.shapes.b_range for r in self.ranges]
+        if any(lo <= b and (hi is None or b <= hi) for lo, hi in traced):
+            return None  # a traced range of b, s outside it
+        self.ranges += self._trace_range(b).ranges
+        return next((r for r in self.ranges if r.contains(b, s)), None)
 
     def choose(self, plan: str, b: int, s: int) -> Choice | None:
         r = self._range(b, s)
@@ -165,14 +167,9 @@ def fit_pipeline(
     finer ``remat <= N%`` rows; the fixed plans alone by default.
     """
     req = request_of(request, flat)
-    n = len(stages)
-    if len(stage_inputs) != n:
-        raise ValueError(f"{len(stage_inputs)} stage inputs for {n} stages")
-    pipe0 = Pipeline(schedule, 0, n, microbatches, loss_fn=loss_fn, stages_per_rank=stages_per_rank)
-    first = stage_inputs[0]
-    dims = Dims.of((first,), {}, seq=True)
-    if dims.seq is None:
-        raise ValueError("the first stage's input has no sequence dimension (dim 1)")
+    pipes = rank_pipelines(stages, stage_inputs, schedule, microbatches, loss_fn, stages_per_rank)
+    dims = Dims.of((stage_inputs[0],), {}, seq=True)  # raises without a dim 1
+    assert dims.seq is not None
     max_seq = req.max_seq
     if max_seq is None:
         cfg = getattr(stages[0], "config", None)
@@ -180,8 +177,7 @@ def fit_pipeline(
     req = dataclasses.replace(req, max_seq=int(max_seq))
     budgets: list[DeviceBudget] = []
     planners: list[_RankPlanner] = []
-    for r in range(pipe0.ranks):
-        pipe = dataclasses.replace(pipe0, stage=r)
+    for r, pipe in enumerate(pipes):
         module, x = rank_module(stages, stage_inputs, pipe)
         budget = req.device(module)
         if budget is None:
@@ -194,7 +190,7 @@ def fit_pipeline(
         for name in names
     }
     return PipelineFitReport(
-        pipe0.schedule,
+        pipes[0].schedule,
         microbatches,
         tuple(budgets),
         dims.batch,

@@ -154,11 +154,7 @@ def plan_pipeline(
     pipeline=..., plan=path)`` on rank ``r``.
     """
     req = request_of(request, flat)
-    n = len(stages)
-    if len(stage_inputs) != n:
-        raise ValueError(f"{len(stage_inputs)} stage inputs for {n} stages")
-    pipe0 = Pipeline(schedule, 0, n, microbatches, loss_fn=loss_fn, stages_per_rank=stages_per_rank)
-    pipes = [replace(pipe0, stage=r) for r in range(pipe0.ranks)]
+    pipes = rank_pipelines(stages, stage_inputs, schedule, microbatches, loss_fn, stages_per_rank)
     if stage_budgets is not None and len(stage_budgets) != len(pipes):
         what = "stages" if stages_per_rank == 1 else "ranks"
         raise ValueError(f"{len(stage_budgets)} stage budgets for {len(pipes)} {what}")
@@ -188,6 +184,22 @@ def plan_pipeline(
             unapply(module)
         raise
     return _report(pipes, states, budgets, modules)
+
+
+def rank_pipelines(
+    stages: Sequence[nn.Module],
+    stage_inputs: Sequence[Any],
+    schedule: str,
+    microbatches: int,
+    loss_fn: Callable[[Any, Any], Any],
+    stages_per_rank: int,
+) -> list[Pipeline]:
+    """Each rank's place in the pipeline of ``stages`` (one input each), rank by rank."""
+    n = len(stages)
+    if len(stage_inputs) != n:
+        raise ValueError(f"{len(stage_inputs)} stage inputs for {n} stages")
+    pipe0 = Pipeline(schedule, 0, n, microbatches, loss_fn=loss_fn, stages_per_rank=stages_per_rank)
+    return [replace(pipe0, stage=r) for r in range(pipe0.ranks)]
 
 
 def rank_module(
