@@ -41,6 +41,8 @@ from remat.native.hf import real_packing_check
 from remat.native.pipelining import Action, Pipeline, ScheduleTrace
 from remat.native.regions import OpKey, Policy, Region
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+
 
 @dataclass(frozen=True)
 class OpEvent:
@@ -241,6 +243,10 @@ class _Recorder(LiveMemoryMeter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func is _DEVICE_QUERY:
+            # A FakeTensor's device, asked by the autograd engine after nearly every op (60%
+            # of a fake step's dispatches): no bytes, no storage, ignored by SAC's policies.
+            return func(*args, **kwargs)
         before = self.live_bytes
         if func in tc.RETURNS_ITS_INPUT and tc.is_fake(args[0]):
             # The real op returns its argument's storage; the fake kernel a copy, which kept
