@@ -25,8 +25,6 @@ from remat.solver.formula import FitError
 from tests.checks import assert_peak_close
 from tests.zoo import llama
 
-_CACHE: dict[str, Any] = {}
-
 
 def _tokens(b: int, s: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(seed))
@@ -99,16 +97,14 @@ def test_formula_of_a_model_that_branches_on_a_size_says_so() -> None:
 
 
 def _report() -> tuple[Any, tuple[Any, ...], FitReport]:
-    if "r" not in _CACHE:
-        torch.manual_seed(0)
-        model = llama(2, 64)
-        args = (_tokens(2, 16),)
-        static = model_static_memory(model, Options()).total
-        # Room for no checkpointing up to about length 32 at batch 2.
-        report = fit(model, args, budget_bytes=static + 1_500_000, reserve_fraction=0.0,
-                     device_profile="h100", executor="sac")  # fmt: skip
-        _CACHE["r"] = (model, args, report)
-    return _CACHE["r"]
+    torch.manual_seed(0)
+    model = llama(2, 64)
+    args = (_tokens(2, 16),)
+    static = model_static_memory(model, Options()).total
+    # Room for no checkpointing up to about length 32 at batch 2.
+    report = fit(model, args, budget_bytes=static + 1_500_000, reserve_fraction=0.0,
+                 device_profile="h100", executor="sac")  # fmt: skip
+    return model, args, report
 
 
 def _fits(model: Any, args: Any, report: FitReport, name: str, b: int, s: int) -> bool:
@@ -131,34 +127,41 @@ def _fits(model: Any, args: Any, report: FitReport, name: str, b: int, s: int) -
     return bool(peaks) and min(peaks) <= report.budget.step_budget_bytes
 
 
-@pytest.mark.parametrize("name", ["no checkpointing", "every block", "remat <= 20%"])
-def test_native_fit_answers_fit_and_the_next_size_does_not(name: str) -> None:
+def test_native_fit_answers_fit_and_the_next_size_does_not(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """One fit (about 25 s) and everything checked on it, in one test so that the xdist
+    workers do not each compute it: each row's answer against traces at it and one size up,
+    the rows against each other, and the CLI's table and ``compare`` for the sac executor."""
     model, args, report = _report()
-    row = report.plans[name]
-    assert row.max_seq is not None and row.max_batch is not None
-    assert row.max_seq < 64, "the budget should bind below the model's positions"
-    assert _fits(model, args, report, name, report.batch, row.max_seq)
-    assert not _fits(model, args, report, name, report.batch, row.max_seq + 1)
-    if name != "remat <= 20%":  # the batch search: checked on the fixed plans
-        assert _fits(model, args, report, name, row.max_batch, 16)
-        assert not _fits(model, args, report, name, row.max_batch + 1, 16)
+    for name in ("no checkpointing", "every block", "remat <= 20%"):
+        row = report.plans[name]
+        assert row.max_seq is not None and row.max_batch is not None
+        assert row.max_seq < 64, "the budget should bind below the model's positions"
+        assert _fits(model, args, report, name, report.batch, row.max_seq), name
+        assert not _fits(model, args, report, name, report.batch, row.max_seq + 1), name
+        if name != "remat <= 20%":  # the batch search: checked on the fixed plans
+            assert _fits(model, args, report, name, row.max_batch, 16), name
+            assert not _fits(model, args, report, name, row.max_batch + 1, 16), name
 
-
-def test_native_fit_checkpointing_fits_longer() -> None:
-    _, _, report = _report()
     rows = report.plans
     assert rows["every block"].max_seq > rows["no checkpointing"].max_seq  # type: ignore[operator]
     assert rows["least peak"].max_seq >= rows["every block"].max_seq  # type: ignore[operator]
     assert report.formula.plan == "native:keep_all"
     assert set(FIXED_SAC) < set(rows)
+    _check_cli_fit_and_compare(report, monkeypatch, capsys, tmp_path)
 
 
-def test_cli_fit_and_compare_plan_the_sac_executor(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+def _check_cli_fit_and_compare(
+    report: FitReport,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Any,
 ) -> None:
+    """``remat fit`` and ``remat compare`` plan the sac executor (the fit itself is
+    ``report``: the table's wiring is what is checked)."""
     import csv
 
-    _, _, report = _report()
     seen: dict[str, Any] = {}
 
     def fake_fit(*args: Any, **kwargs: Any) -> FitReport:
