@@ -4,28 +4,35 @@ When the backward starts (:mod:`remat.solver.simulate`), every saved value, ever
 and every output gradient is live. Later, at each backward op, the op's inputs (saved or
 recomputed: either way they are live then), its outputs and its kernel's scratch, every
 gradient still to be read (the backward's own values, whose order no plan changes), the
-parameters' gradients produced so far (when they are held) and the output gradients are live,
-and so is every saved value some later backward op reads. So a plan whose peak fits ``B``
-satisfies, at the backward's start and at each such moment ``t``,
+parameters' gradients produced so far (when they are held), the output gradients, and every
+forward value between its first and last backward read (saved, or recomputed by its first:
+an executor recomputes a value once) are live, and so is the storage of any saved value still
+needed after ``t``. So a plan whose peak fits ``B`` satisfies, at the backward's start and at
+each such moment ``t``,
 
-    bytes(what is live at t whatever the plan) + bytes(saved values read after t) <= B,
+    bytes(what is live at t whatever the plan) + bytes(saved values needed after t) <= B,
 
 and it recomputes, once each, what the backward reads and it did not save, with whatever those
-recomputations read in turn. Keeping only these moments leaves a MILP with one binary per
-forward value and no time index -- small enough for a 70B Llama, whose exact MILP cannot even
-be built -- and its optimum, or any dual bound HiGHS proves for it, is a lower bound on the
-recompute time of every plan that fits ``B``. The chain solver records it, so a plan for a
-large model says how far from the optimum it can at most be.
+recomputations read in turn. A saved value is needed after ``t`` while the backward still
+reads it; on an executor that recomputes on demand (:attr:`~remat.solver.executor.
+ExecutorModel.on_demand`), also while a recomputation it feeds cannot have run yet: one of
+its forward users (or theirs) is first read after ``t``. Keeping only these moments leaves a
+MILP with one binary per forward value and no time index -- small enough for a 70B Llama,
+whose exact MILP cannot even be built -- and its optimum, or any dual bound HiGHS proves for
+it, is a lower bound on the recompute time of every plan that fits ``B``. The chain solver
+records it, so a plan for a large model says how far from the optimum it can at most be.
 
-What it does not see: when recomputed values are made (a recomputation lives from before its
-first use, not only at it), and where a saved value is also read by a recomputation (its life
-is counted to its last backward read only). Both only make the bound lower, never wrong.
+What it leaves out only makes the bound lower, never wrong: when recomputations run (a
+value recomputed for an early op and read late is live in between), and how long a saved
+value lives for the recomputations it feeds past what the rules above see. Modelling the
+first exactly at a few moments is tight on small graphs but adds two variables per forward
+value per moment, which HiGHS does not solve at 7B in the plan's time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pulp
@@ -33,20 +40,74 @@ import pulp
 from remat.problem import Problem, Role
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.config import SolverConfig
+from remat.solver.executor import executor_of
 
 MOMENTS = 48
 """Backward moments kept in the MILP at most (each is a row over the saved values read after
 it); more make the bound tighter and the MILP larger."""
 
+_NEVER = 1 << 62
+
 
 @dataclass(frozen=True)
 class Moment:
-    """One backward op's moment: the bytes live there whatever the plan, and the saved
-    storages whose values are read after it (each live there when any of them is saved)."""
+    """One backward op's moment: the bytes live there whatever the plan (``here``: their
+    storages), and every other storage with the forward values on it still needed after it
+    (the storage is live there when any of them is saved)."""
 
     index: int
     fixed_bytes: int
-    later: tuple[str, ...]
+    later: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def backward_reads(problem: Problem) -> tuple[dict[str, int], dict[str, int]]:
+    """Each forward value's first and last read by a backward op (indices among them)."""
+    fwd = problem.forward_names
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    backward = [v for v in problem.values if v.role is Role.BACKWARD]
+    for k, v in enumerate(backward):
+        for i in v.inputs:
+            if i in fwd:
+                first.setdefault(i, k)
+                last[i] = k
+    return first, last
+
+
+def recompute_horizons(problem: Problem, first_read: Mapping[str, int]) -> dict[str, int]:
+    """For each forward value the backward does not read itself, the first backward op that
+    can read one of the forward values computed from it. Saved, it feeds only
+    recomputations; an on-demand executor recomputes a value just before the first backward
+    op that needs it, so it is live before that op."""
+    fwd = problem.forward_names
+    users = problem.users
+    earliest: dict[str, int] = {}
+    for v in reversed(problem.values):
+        if v.name in fwd:
+            e = first_read.get(v.name, _NEVER)
+            earliest[v.name] = min([e, *(earliest[u] for u in users[v.name] if u in fwd)])
+    out = {}
+    for n in fwd:
+        h = min((earliest[u] for u in users[n] if u in fwd), default=_NEVER)
+        if n not in first_read and not problem.by_name[n].random and h < _NEVER:
+            out[n] = h
+    return out
+
+
+def _needed_after(problem: Problem) -> dict[str, list[tuple[int, str]]]:
+    """Per storage, ``(last moment it is needed at, value)`` of the forward values on it."""
+    first, last = backward_reads(problem)
+    need = dict(last)
+    if executor_of(problem).on_demand:
+        need.update((n, h - 1) for n, h in recompute_horizons(problem, first).items())
+    out: dict[str, list[tuple[int, str]]] = {}
+    for n, k in need.items():
+        for s in problem.by_name[n].storages:
+            if problem.storage_bytes.get(s, 0):
+                out.setdefault(s, []).append((k, n))
+    for pairs in out.values():
+        pairs.sort()
+    return out
 
 
 def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
@@ -58,22 +119,15 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
     values = problem.by_name
     fwd = problem.forward_names
     backward = [v for v in problem.values if v.role is Role.BACKWARD]
-    last_read: dict[str, int] = {}
-    last_use: dict[str, int] = {}
-    for k, v in enumerate(backward):
-        for i in v.inputs:
-            if i in fwd:
-                last_read[i] = k
-            elif values[i].role is Role.BACKWARD:
-                last_use[i] = k
-    # A saved storage is counted at t only while every saved value on it is read after t.
-    first_done: dict[str, int] = {}
-    for n, k in last_read.items():
-        for s in values[n].storages:
-            if problem.storage_bytes.get(s, 0):
-                first_done[s] = min(first_done.get(s, k), k)
-    held_names = [*problem.user_outputs]
-    held_names += [v.name for v in problem.values if v.role is Role.TANGENT]
+    first_read, last_read = backward_reads(problem)
+    last_use = {i: k for k, v in enumerate(backward) for i in v.inputs if i not in fwd}
+    needed = _needed_after(problem)
+    spans: dict[int, list[str]] = {}  # a value read twice or more: live between its reads
+    ends: dict[int, list[str]] = {}
+    for n, k in first_read.items():
+        if last_read[n] > k:
+            spans.setdefault(k, []).append(n)
+            ends.setdefault(last_read[n], []).append(n)
     refs: dict[str, int] = {}
 
     def hold(storages: Sequence[str]) -> None:
@@ -86,7 +140,7 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
             if not refs[s]:
                 del refs[s]
 
-    for n in held_names:
+    for n in (*problem.user_outputs, *(v.name for v in values.values() if v.role is Role.TANGENT)):
         hold(values[n].storages)
     grads = set(problem.grad_outputs) if problem.grads_held else set()
     nbytes = problem.storage_bytes
@@ -94,19 +148,27 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
     top = -1
     for k, v in enumerate(backward):
         hold(v.storages)
+        for n in spans.get(k, ()):
+            hold(values[n].storages)
         here = set(refs)
         for i in v.inputs:
             here.update(values[i].storages)
         fixed = sum(nbytes.get(s, 0) for s in here) + v.scratch_bytes
         if fixed > top:
             top = fixed
-            later = tuple(s for s, d in first_done.items() if d > k and s not in here)
+            later = tuple(
+                (s, tuple(n for d, n in pairs if d > k))
+                for s, pairs in needed.items()
+                if s not in here and pairs[-1][0] > k
+            )
             out.append(Moment(k, fixed, later))
         for i in dict.fromkeys(v.inputs):
             if values[i].role is Role.BACKWARD and last_use.get(i) == k and i not in grads:
                 drop(values[i].storages)
         if v.name not in last_use and v.name not in grads:
             drop(v.storages)
+        for n in ends.get(k, ()):
+            drop(values[n].storages)
     if len(out) > limit:  # evenly over the backward, the most loaded one kept
         step = len(out) / limit
         picked = {int(j * step) for j in range(limit - 1)} | {len(out) - 1}
@@ -115,7 +177,11 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
 
 
 def backward_bound(
-    problem: Problem, budget_bytes: int, config: SolverConfig, *, moments: int = MOMENTS
+    problem: Problem,
+    budget_bytes: int,
+    config: SolverConfig,
+    *,
+    moments: int = MOMENTS,
 ) -> float | None:
     """Seconds of recomputation every plan that fits ``budget_bytes`` needs at least; ``None``
     if the solver proved nothing in ``config.time_limit_s`` (or no plan can fit: then the
@@ -140,15 +206,13 @@ def backward_bound(
         n: lp.add_variable(f"r{k}", 0, 0 if values[n].random else 1) for k, n in enumerate(names)
     }
     lp += pulp.lpSum(scale * values[n].time_s * redo[n] for n in fwd)
-    reads = problem.backward_reads
-    for n in reads:
+    for n in problem.backward_reads:
         lp += saved[n] + redo[n] >= 1
     for n in fwd:
         for i in values[n].inputs:
             if i in fwd:
                 lp += saved[i] + redo[i] >= redo[n]
     live: dict[str, pulp.LpVariable] = {}
-    read_live: dict[str, pulp.LpVariable] = {}
     for n in names:
         for s in values[n].storages:
             if s in held or problem.storage_bytes.get(s, 0) == 0:
@@ -156,18 +220,22 @@ def backward_bound(
             if s not in live:
                 live[s] = lp.add_variable(f"m{len(live)}", 0, 1)
             lp += live[s] >= saved[n]
-            if n in reads:
-                if s not in read_live:
-                    read_live[s] = lp.add_variable(f"q{len(read_live)}", 0, 1)
-                lp += read_live[s] >= saved[n]
     nbytes = problem.storage_bytes
     lp += pulp.lpSum(nbytes[s] * x for s, x in live.items()) <= budget_bytes - fixed
+    any_saved: dict[tuple[str, tuple[str, ...]], pulp.LpVariable] = {}
     for m in rows:
-        later = [s for s in m.later if s in read_live]
-        if later:
-            lp += (
-                pulp.lpSum(nbytes[s] * read_live[s] for s in later) <= budget_bytes - m.fixed_bytes
-            )
+        terms = []
+        for s, on in m.later:
+            if s in held:
+                continue
+            x = any_saved.get((s, on))
+            if x is None:  # live when any value on it still needed is saved
+                x = any_saved[(s, on)] = lp.add_variable(f"q{len(any_saved)}", 0, 1)
+                for n in on:
+                    lp += x >= saved[n]
+            terms.append(nbytes[s] * x)
+        if terms:
+            lp += pulp.lpSum(terms) <= budget_bytes - m.fixed_bytes
     lp.solve(backend(config, max(1.0, config.time_limit_s), {}))
     # The dual bound, not the objective: "optimal" means within the solver's relative gap.
     raw = best_bound(lp) if pulp.LpStatus[lp.status] != "Infeasible" else None

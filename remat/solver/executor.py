@@ -74,6 +74,11 @@ class ExecutorModel:
     """A plan's saved set as the executor runs it (``Plan.saved``): ``graph``, what its
     schedule hands to the backward; ``sac``, what the policies keep (``MUST_SAVE``) and the
     regions left without checkpoint."""
+    on_demand: bool = False
+    """Each missing value is recomputed just before the first backward op that needs it,
+    never earlier (``graph``; ``sac`` replays a region's forward at its first backward op):
+    the lower bound (:mod:`remat.solver.bound`) may then count a saved value that feeds
+    recomputations as live until the first backward op that can need them."""
 
 
 def _graph_candidates(problem: Problem) -> frozenset[str]:
@@ -90,6 +95,7 @@ GRAPH = ExecutorModel(
     _graph_schedule,
     None,
     lambda p, s, schedule: frozenset(schedule.saved),
+    on_demand=True,
 )
 
 

@@ -21,6 +21,10 @@ CONFIG = SolverConfig(time_limit_s=30)
 def test_the_bound_is_below_the_optimum_at_every_budget(
     case: tuple[Problem, frozenset[str]],
 ) -> None:
+    """Over 200 random graphs when written, the bound was the optimum at 326 of 331 budgets;
+    before a moment counted a storage while any saved value on it is still needed (not only
+    while every value on it is), the spans between a value's reads and the horizons of saved
+    values that feed recomputations, at 301."""
     prob, _ = case
     results = exhaustive(prob)
     assume(results is not None)  # else too many subsets to enumerate
