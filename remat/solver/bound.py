@@ -51,9 +51,9 @@ _NEVER = 1 << 62
 
 @dataclass(frozen=True)
 class Moment:
-    """One backward op's moment: the bytes live there whatever the plan (``here``: their
-    storages), and every other storage with the forward values on it still needed after it
-    (the storage is live there when any of them is saved)."""
+    """One backward op's moment: the bytes live there whatever the plan, and every other
+    storage with the forward values on it still needed after it (the storage is live there
+    when any of them is saved)."""
 
     index: int
     fixed_bytes: int
@@ -177,11 +177,7 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
 
 
 def backward_bound(
-    problem: Problem,
-    budget_bytes: int,
-    config: SolverConfig,
-    *,
-    moments: int = MOMENTS,
+    problem: Problem, budget_bytes: int, config: SolverConfig, *, moments: int = MOMENTS
 ) -> float | None:
     """Seconds of recomputation every plan that fits ``budget_bytes`` needs at least; ``None``
     if the solver proved nothing in ``config.time_limit_s`` (or no plan can fit: then the
