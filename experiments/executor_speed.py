@@ -31,6 +31,7 @@ if any(os.environ.get(k) != v for k, v in _FAST_MALLOC.items()):
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import csv  # noqa: E402
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -45,6 +46,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import remat  # noqa: E402
+from experiments.compare import _hf  # noqa: E402
 from remat._torch_compat import tensor_leaves  # noqa: E402
 from remat.meter import training_step  # noqa: E402
 
@@ -62,16 +64,9 @@ def _neox() -> tuple[nn.Module, tuple[Any, ...]]:
     return tf.GPTNeoXForCausalLM(cfg).train(), (torch.randint(0, 512, (4, 256)),)
 
 
-def _gpt2() -> tuple[nn.Module, tuple[Any, ...]]:
-    """GPT-2 4x256, seq 256, batch 4, dropout 0.1 (the default)."""
-    import transformers as tf
-
-    cfg = tf.GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=256, vocab_size=512)
-    return tf.GPT2LMHeadModel(cfg).train(), (torch.randint(0, 512, (4, 256)),)
-
-
 def _llama() -> tuple[nn.Module, tuple[Any, ...]]:
-    """Llama 4x256 (GQA 4/2), seq 256, batch 4."""
+    """Llama 4x256 (GQA 4/2), seq 256, batch 4, with Llama's own MLP ratio (8/3, rounded):
+    :func:`experiments.compare._hf` builds a 2x one."""
     import transformers as tf
 
     cfg = tf.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
@@ -82,7 +77,7 @@ def _llama() -> tuple[nn.Module, tuple[Any, ...]]:
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...]]]] = {
     "neox": _neox,
-    "gpt2": _gpt2,
+    "gpt2": functools.partial(_hf, "gpt2", 4, 256, 256, 4),  # dropout 0.1, the default
     "llama": _llama,
 }
 

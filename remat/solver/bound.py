@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from remat.problem import Problem, Role
+from remat.problem import Problem, Role, Value
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.config import SolverConfig
 from remat.solver.executor import executor_of
@@ -60,12 +60,11 @@ class Moment:
     later: tuple[tuple[str, tuple[str, ...]], ...]
 
 
-def backward_reads(problem: Problem) -> tuple[dict[str, int], dict[str, int]]:
-    """Each forward value's first and last read by a backward op (indices among them)."""
+def read_span(problem: Problem, backward: Sequence[Value]) -> tuple[dict[str, int], dict[str, int]]:
+    """Each forward value's first and last read among the ``backward`` ops (their indices)."""
     fwd = problem.forward_names
     first: dict[str, int] = {}
     last: dict[str, int] = {}
-    backward = [v for v in problem.values if v.role is Role.BACKWARD]
     for k, v in enumerate(backward):
         for i in v.inputs:
             if i in fwd:
@@ -94,9 +93,11 @@ def recompute_horizons(problem: Problem, first_read: Mapping[str, int]) -> dict[
     return out
 
 
-def _needed_after(problem: Problem) -> dict[str, list[tuple[int, str]]]:
-    """Per storage, ``(last moment it is needed at, value)`` of the forward values on it."""
-    first, last = backward_reads(problem)
+def _needed_after(
+    problem: Problem, first: Mapping[str, int], last: Mapping[str, int]
+) -> dict[str, list[tuple[int, str]]]:
+    """Per storage, ``(last moment it is needed at, value)`` of the forward values on it
+    (``first``, ``last``: :func:`read_span`)."""
     need = dict(last)
     if executor_of(problem).on_demand:
         need.update((n, h - 1) for n, h in recompute_horizons(problem, first).items())
@@ -119,9 +120,9 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
     values = problem.by_name
     fwd = problem.forward_names
     backward = [v for v in problem.values if v.role is Role.BACKWARD]
-    first_read, last_read = backward_reads(problem)
+    first_read, last_read = read_span(problem, backward)
     last_use = {i: k for k, v in enumerate(backward) for i in v.inputs if i not in fwd}
-    needed = _needed_after(problem)
+    needed = _needed_after(problem, first_read, last_read)
     spans: dict[int, list[str]] = {}  # a value read twice or more: live between its reads
     ends: dict[int, list[str]] = {}
     for n, k in first_read.items():
