@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 import networkx as nx
@@ -153,6 +153,15 @@ class Problem:
 
     def storages_bytes(self, storages: Iterable[str]) -> int:
         return sum(self.storage_bytes.get(s, 0) for s in set(storages))
+
+    @functools.cached_property
+    def content(self) -> tuple[object, ...]:
+        """Every field, hashable: equal exactly when the problems are (a cache key for work
+        that depends on the problem alone, so that two captures of one model share it)."""
+        return tuple(
+            tuple(sorted(x.items())) if isinstance(x, Mapping) else x
+            for x in (getattr(self, f.name) for f in fields(self))
+        )
 
     def to_networkx(self) -> nx.DiGraph:
         """The DAG with node attributes (role, op, flops, time_s, random, bytes allocated)."""

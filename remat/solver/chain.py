@@ -41,11 +41,11 @@ boundary (no multi-block segments).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,7 +59,7 @@ from remat.solver.fixed import must_save
 from remat.solver.milp import exact, min_peak
 from remat.solver.plan import Plan, Proof, make_plan, proven
 from remat.solver.simulate import Simulation
-from remat.solver.structure import BALLAST, Structure, block_problem, find_structure
+from remat.solver.structure import BALLAST, Block, Structure, block_problem, find_structure
 
 MENU_POINTS = 6
 """Budgets the representative block is solved at between its least and keep-all peaks."""
@@ -434,40 +434,52 @@ def _outside_saved(problem: Problem, structure: Structure) -> frozenset[str]:
     return frozenset(saved)
 
 
-_MENUS: dict[tuple[int, tuple[int, ...], float], tuple[weakref.ref[Problem], list[Option]]] = {}
+MENU_CACHE = 16
+"""Menus kept (least recently used dropped): a sweep, or a second capture of the same model,
+solves each block's menu once."""
+_MENUS: collections.OrderedDict[tuple[object, ...], list[Option]] = collections.OrderedDict()
 
 
 def _cached_menu(
     problem: Problem, structure: Structure, cls: tuple[int, ...], config: SolverConfig
 ) -> list[Option]:
-    """Menus depend on the problem, not the budget: a sweep solves them once."""
-    key = (id(problem), cls, config.time_limit_s)
-    hit = _MENUS.get(key)
-    if hit is not None and hit[0]() is problem:
-        return hit[1]
-    menu = _menu(problem, structure, cls, config)
-    for k in [k for k, (ref, _) in _MENUS.items() if ref() is None]:
-        del _MENUS[k]
-    _MENUS[key] = (weakref.ref(problem), menu)
+    """Menus depend on the block's problems and the solver's settings, not on the budget nor
+    on which capture the block came from: the key is their whole content."""
+    sub, heavy = _block_problems(problem, structure.blocks[cls[0]])
+    key = (sub.content, heavy.content, dataclasses.replace(config, progress=None))
+    if key in _MENUS:
+        _MENUS.move_to_end(key)
+        return _MENUS[key]
+    menu = _menu(sub, heavy, config)
+    _MENUS[key] = menu
+    if len(_MENUS) > MENU_CACHE:
+        _MENUS.popitem(last=False)
     return menu
 
 
-def _menu(
-    problem: Problem, structure: Structure, cls: tuple[int, ...], config: SolverConfig
-) -> list[Option]:
-    """Distinct plans of the class's representative block, from keep-all to least peak."""
-    block = structure.blocks[cls[0]]
+def _block_problems(problem: Problem, block: Block) -> tuple[Problem, Problem]:
+    """The block alone, and with a ballast above its own backward peak (see :func:`_menu`)."""
     sub = block_problem(problem, block)
-    fwd = sub.forward_names
-    per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
-    deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
-    keep_all = make_plan(
+    return sub, block_problem(problem, block, _keep_all(sub).predicted_peak_bytes)
+
+
+def _keep_all(sub: Problem) -> Plan:
+    return make_plan(
         sub,
         sub.backward_reads | set(must_save(sub)),
         solver="keep_all",
         reason="",
         proof=Proof.HEURISTIC,
     )
+
+
+def _menu(sub: Problem, heavy: Problem, config: SolverConfig) -> list[Option]:
+    """Distinct plans of a block (``sub``), from keep-all to least peak; ``heavy``: the block
+    with a ballast (:func:`_block_problems`)."""
+    fwd = sub.forward_names
+    per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
+    deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
+    keep_all = _keep_all(sub)
     plans = [
         keep_all,
         make_plan(sub, must_save(sub), solver="keep_inputs", reason="", proof=Proof.HEURISTIC),
@@ -476,7 +488,6 @@ def _menu(
     # ballast above the block's own backward peak, the budget bounds the bytes kept. First
     # across the whole range, then walking the Pareto front down from keep-all (each solve
     # asking for less than the last plan kept) while time remains.
-    heavy = block_problem(problem, block, keep_all.predicted_peak_bytes)
     top = make_plan(
         heavy, keep_all.saved, solver="", reason="", proof=Proof.HEURISTIC
     ).predicted_peak_bytes

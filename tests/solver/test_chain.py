@@ -11,6 +11,7 @@ from torch import nn
 
 import remat
 from remat.models import TinyGPT
+from remat.problem import Problem
 from remat.solver.chain import (
     ChainCosts,
     _cached_menu,
@@ -192,3 +193,33 @@ def test_chain_peak_is_the_dp_model_of_one_choice(seed: int) -> None:
     uniform = [chain_peak(costs, [o] * n) for o in range(n_opts)]
     if min(uniform) <= budget - 10 * n:
         assert choice is not None
+
+
+def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Menus are cached by the block's whole content and the solver's settings: a second
+    capture of the same model (another ``optimize`` call) solves no menu again; another
+    model, or another time limit, does. (The solves are counted, not run.)"""
+    from remat.solver import chain
+
+    solved: list[tuple[Problem, SolverConfig]] = []
+
+    def menu(sub: Problem, heavy: Problem, config: SolverConfig) -> list[object]:
+        solved.append((sub, config))
+        return []
+
+    monkeypatch.setattr(chain, "_menu", menu)
+    monkeypatch.setattr(chain, "_MENUS", type(chain._MENUS)())
+
+    def cached(model: nn.Module, x: torch.Tensor, config: SolverConfig = CONFIG) -> object:
+        problem = remat.analyze(model, (x,)).problem
+        s = find_structure(problem)
+        return _cached_menu(problem, s, s.classes[0], config)
+
+    model, x = _gpt(3)
+    first = cached(model, x)
+    assert cached(model, x) is first and len(solved) == 1
+    other, y = _gpt(2, skip=True)
+    assert cached(other, y) is not first and len(solved) == 2
+    assert cached(model, x, SolverConfig(time_limit_s=7)) is not first and len(solved) == 3
+    assert cached(model, x, SolverConfig(time_limit_s=6, progress=print)) is first
+    assert len(solved) == 3  # the progress callback is not a setting
