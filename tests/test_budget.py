@@ -140,7 +140,7 @@ def test_device_budget_plans_the_step_in_what_is_left() -> None:
     assert target < keep_all
     static = 12 * n  # fp32 parameters + Adam moments; gradients are inside the step
     budget = int((static + target) / 0.95) + 1  # reserve 5%
-    fast = remat.optimize(model, x, budget_bytes=budget, device_profile="cpu", time_limit_s=10)
+    fast = remat.optimize(model, x, budget_bytes=budget, device_profile="cpu", time_limit_s=3)
     mem = fast.plan.device_memory
     assert mem is not None
     assert mem["parameters"] + mem["optimizer_state"] == static
@@ -157,10 +157,10 @@ def test_budget_below_the_least_step_peak_names_the_total_it_needs() -> None:
     model, x = _model()
     n = sum(p.numel() for p in model.parameters())
     with pytest.raises(remat.BudgetError) as err:
-        remat.optimize(model, x, budget_bytes=12 * n + 2000, reserve_fraction=0.0, time_limit_s=10)
+        remat.optimize(model, x, budget_bytes=12 * n + 2000, reserve_fraction=0.0, time_limit_s=3)
     assert "so the device needs at least" in str(err.value)
     total = err.value.least_total_bytes  # type: ignore[attr-defined]
-    fast = remat.optimize(model, x, budget_bytes=total, reserve_fraction=0.0, time_limit_s=10)
+    fast = remat.optimize(model, x, budget_bytes=total, reserve_fraction=0.0, time_limit_s=3)
     assert fast.plan.device_memory is not None and fast.plan.device_memory["total"] <= total
 
 
@@ -178,7 +178,7 @@ def test_report_prints_the_breakdown_and_the_plan_by_module() -> None:
     assert module_group("model.layers.11.self_attn") == "model.layers.*.self_attn"
     assert module_group("blocks.0") == "blocks.*"
     model, x = _model()
-    fast = remat.optimize(model, x, budget_bytes=2_500_000, time_limit_s=10)
+    fast = remat.optimize(model, x, budget_bytes=2_500_000, time_limit_s=3)
     text = fast.report()
     mem = fast.plan.device_memory
     assert mem is not None

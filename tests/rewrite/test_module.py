@@ -187,18 +187,18 @@ def test_budget_picks_the_cheapest_fitting_plan() -> None:
     keep_all = next(p for p in plans if p.solver == "keep_all").predicted_peak_bytes
     least = min(p.predicted_peak_bytes for p in plans)
     assert least < keep_all
-    roomy = remat.optimize(model, tokens, activation_budget_bytes=keep_all, time_limit_s=10)
+    roomy = remat.optimize(model, tokens, activation_budget_bytes=keep_all, time_limit_s=3)
     assert roomy.plan.solver == "auto:keep_all" and roomy.plan.recompute_time_s == 0
-    tight = remat.optimize(model, tokens, activation_budget_bytes=keep_all - 1, time_limit_s=10)
+    tight = remat.optimize(model, tokens, activation_budget_bytes=keep_all - 1, time_limit_s=3)
     assert tight.plan.predicted_peak_bytes <= keep_all - 1
     fitting = [p for p in plans if p.predicted_peak_bytes <= keep_all - 1]
     # The exact MILP (warm-started from the best heuristic) can only do better.
     assert tight.plan.recompute_time_s <= min(p.recompute_time_s for p in fitting)
     with pytest.raises(remat.BudgetError) as err:
-        remat.optimize(model, tokens, activation_budget_bytes=err_budget(least), time_limit_s=10)
+        remat.optimize(model, tokens, activation_budget_bytes=err_budget(least), time_limit_s=3)
     assert err.value.achievable and err.value.least_peak_bytes <= least
     assert_trains_like_eager(
-        model, (tokens,), {}, steps=2, activation_budget_bytes=keep_all - 1, time_limit_s=10
+        model, (tokens,), {}, steps=2, activation_budget_bytes=keep_all - 1, time_limit_s=3
     )
 
 
