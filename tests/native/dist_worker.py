@@ -66,32 +66,36 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()  # DTensor under FSDP2
 
 
-def main(rank: int, world: int, engine: str, out: str, budget: int) -> None:
+def main(rank: int, world: int, engines: dict[str, int], out: str) -> None:
+    """Each engine in turn (``engines``: engine -> activation budget), in one process group:
+    a spawn and its imports cost more than one engine's run."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        model, tokens = build()
-        tokens = tokens.roll(rank, dims=0)  # each rank its own batch
-        plain = _train(_wrap(copy.deepcopy(model), engine), tokens, rank)
-        work = copy.deepcopy(model)
-        fsdp: dict[str, Any] = {}
-        if engine.startswith("fsdp2"):
-            fsdp = {"zero_stage": 3, "world_size": world}
-        if engine == "fsdp2-bf16":
-            fsdp["precision"] = "bf16-fsdp"
-        remat.apply(work, tokens, activation_budget_bytes=budget, **fsdp)
-        plan = remat.plan_of(work)
-        ours = _train(_wrap(work, engine), tokens, rank)
-        torch.save(
-            {
-                "plain": plain,
-                "remat": ours,
-                "predicted": plan.predicted_peak_bytes,
-                "predicted_tensors": plan.predicted_tensor_peak_bytes,
-                "solver": plan.solver,
-            },
-            Path(out) / f"{engine}_{rank}.pt",
-        )
+        for engine, budget in engines.items():
+            torch.save(_run(rank, world, engine, budget), Path(out) / f"{engine}_{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, engine: str, budget: int) -> dict[str, Any]:
+    model, tokens = build()
+    tokens = tokens.roll(rank, dims=0)  # each rank its own batch
+    plain = _train(_wrap(copy.deepcopy(model), engine), tokens, rank)
+    work = copy.deepcopy(model)
+    fsdp: dict[str, Any] = {}
+    if engine.startswith("fsdp2"):
+        fsdp = {"zero_stage": 3, "world_size": world}
+    if engine == "fsdp2-bf16":
+        fsdp["precision"] = "bf16-fsdp"
+    remat.apply(work, tokens, activation_budget_bytes=budget, **fsdp)
+    plan = remat.plan_of(work)
+    ours = _train(_wrap(work, engine), tokens, rank)
+    return {
+        "plain": plain,
+        "remat": ours,
+        "predicted": plan.predicted_peak_bytes,
+        "predicted_tensors": plan.predicted_tensor_peak_bytes,
+        "solver": plan.solver,
+    }
