@@ -785,6 +785,8 @@ def fit_command(args: argparse.Namespace) -> int:
             ]
         table.add_row(*cells)
     console.print(table)
+    for hint in report.hints():
+        console.print(f"[yellow]none fits: {escape(hint)}")
     console.print(
         "device GB: static + the step's peak (the reserve comes on top); recompute %: of the "
         "step's estimated time. Formula (no checkpointing, bytes):"

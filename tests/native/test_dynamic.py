@@ -4,6 +4,7 @@ at shapes it was not built from, and ``remat fit --executor sac`` checked one si
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -149,7 +150,32 @@ def test_native_fit_answers_fit_and_the_next_size_does_not(
     assert rows["least peak"].max_seq >= rows["every block"].max_seq  # type: ignore[operator]
     assert report.formula.plan == "native:keep_all"
     assert set(FIXED_SAC) < set(rows)
+    _check_hints(report)
     _check_cli_fit_and_compare(report, monkeypatch, capsys, tmp_path)
+
+
+def _check_hints(report: FitReport) -> None:
+    """Where a row fits nothing under autocast with ZeRO-3, the fit suggests FSDP2's own
+    mixed precision; not where everything fits, nor without ZeRO-3, nor for fp32 or the
+    graph executor (the report's options and rows replaced: a fit that fits nothing under
+    bf16-mixed would take a deep model's traces)."""
+    assert report.hints() == [] and report.to_json()["hints"] == []
+    nothing = {n: dataclasses.replace(r, max_seq=None) for n, r in report.plans.items()}
+
+    def under(precision: str, zero_stage: int, plans: Any = nothing, plan: str = "") -> FitReport:
+        options = Options(precision=precision, zero_stage=zero_stage, world_size=8)
+        budget = dataclasses.replace(report.budget, options=options)
+        formula = dataclasses.replace(report.formula, plan=plan or report.formula.plan)
+        return dataclasses.replace(report, budget=budget, plans=plans, formula=formula)
+
+    (hint,) = under("bf16-mixed", 3).hints()
+    assert "--precision bf16-fsdp" in hint and "autocast" in hint
+    assert under("bf16-mixed", 3).to_json()["hints"] == [hint]
+    assert under("fp16-mixed", 3).hints()
+    assert under("bf16-mixed", 3, report.plans).hints() == []  # every row fits
+    assert under("bf16-mixed", 2).hints() == []
+    assert under("fp32", 3).hints() == []
+    assert under("bf16-mixed", 3, plan="keep_all").hints() == []  # the graph executor
 
 
 def _check_cli_fit_and_compare(
