@@ -152,26 +152,17 @@ def build_joint(captured: Captured) -> JointGraph:
 
 
 def _split_dropout(graph: torch.fx.Graph) -> None:
-    """Rewrite ``native_dropout(x, p, True)`` as a random bool mask and deterministic products.
+    """Rewrite ``native_dropout(x, p, True)`` as a random bool mask and a deterministic product.
 
     The fused op makes its *output* random too, so a plan would have to save it (4 bytes per
-    element) besides the mask. Split, only the mask (1 byte per element) must be saved; the rest
-    is eager's CPU dropout: ``noise`` (0 or ``1 / (1 - p)``, float) from the mask, the output
-    ``x * noise``, and the backward ``g * noise`` in place of ``native_dropout_backward(g, mask,
-    scale)``. A plan that keeps everything saves ``noise``, as eager does; one that recomputes
-    saves the mask and rebuilds ``noise`` with two cheap ops. ``noise`` is built through a
-    ``uint8`` view of the mask: CPU ``bool -> float`` conversion is not vectorised (3x slower
-    than ``uint8 -> float``), and the fused backward ``g * mask * scale`` converts the mask and
-    scales in extra passes: that made a GPT-2 step with dropout 0.1 3-5% slower than eager.
-
-    On CPU this draws the same random numbers in the same order and gives bitwise-identical
-    values for float32 inputs (``x * (m * s)`` equals ``x * m * s`` for ``m`` in {0, 1} and a
-    positive finite ``s``, zeros' signs and NaNs included; checked by the zoo tests). For 16-bit
-    inputs (autocast) the fused kernel draws its mask in the input's dtype and the split would
-    not match it bit for bit: those stay fused. So do inputs on another device: eager CUDA runs
-    the fused kernel (``is_fused_kernel_acceptable``), whose Philox draws a split ``bernoulli``
-    does not reproduce (seen on an H200: outputs off by up to 29 with the split, bitwise
-    without it).
+    element) besides the mask. Split, only the mask (1 byte per element) must be saved and the
+    output can be recomputed as ``x * mask * (1 / (1 - p))``. On CPU this draws the same random
+    numbers in the same order and gives bitwise-identical values for float32 inputs (checked by
+    the zoo tests). For 16-bit inputs (autocast) the fused kernel draws its mask in the input's
+    dtype and the split would not match it bit for bit: those stay fused. So do inputs on
+    another device: eager CUDA runs the fused kernel (``is_fused_kernel_acceptable``), whose
+    Philox draws a split ``bernoulli`` does not reproduce (seen on an H200: outputs off by up to
+    29 with the split, bitwise without it).
     """
     aten = torch.ops.aten
     for node in list(graph.nodes):
@@ -186,60 +177,31 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
         parts = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         if len(parts) != len(node.users):
             continue
-        scale = 1.0 / (1.0 - p)
         mode = getattr(x.meta["val"], "fake_mode", None)
         with graph.inserting_before(node):
             empty = graph.call_function(aten.empty_like.default, (x,), {"dtype": torch.bool})
             mask = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
-            as_bytes = graph.call_function(aten.view.dtype, (mask, torch.uint8))
-            ones = graph.call_function(aten._to_copy.default, (as_bytes,), {"dtype": torch.float32})
-            noise = graph.call_function(aten.mul.Tensor, (ones, scale))
-            out = graph.call_function(aten.mul.Tensor, (x, noise))
+            masked = graph.call_function(aten.mul.Tensor, (x, mask))
+            out = graph.call_function(aten.mul.Tensor, (masked, 1.0 / (1.0 - p)))
         with mode or contextlib.nullcontext():
             xv = x.meta["val"]
             empty.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
+            masked.meta["val"] = torch.empty_like(xv)
             # Reuse the fused op's fake outputs: downstream views share their fake storages,
             # which is how the problem knows those views allocate nothing.
             mask.meta["val"] = (
                 parts[1].meta["val"] if 1 in parts else torch.empty_like(xv, dtype=torch.bool)
             )
-            as_bytes.meta["val"] = mask.meta["val"].view(torch.uint8)
-            ones.meta["val"] = torch.empty_like(xv)
-            noise.meta["val"] = torch.empty_like(xv)
             out.meta["val"] = parts[0].meta["val"] if 0 in parts else torch.empty_like(xv)
-        for new in (empty, mask, as_bytes, ones, noise, out):
+        for new in (empty, mask, masked, out):
             new.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
             new.meta["seq_nr"] = node.meta.get("seq_nr")
             new.meta["partitioner_tag"] = node.meta.get("partitioner_tag")
-        if 1 in parts:
-            _backward_through_noise(graph, parts[1], scale, noise)
         for index, replacement in ((0, out), (1, mask)):
             if index in parts:
                 parts[index].replace_all_uses_with(replacement)
                 graph.erase_node(parts[index])
         graph.erase_node(node)
-
-
-def _backward_through_noise(
-    graph: torch.fx.Graph, mask: torch.fx.Node, scale: float, noise: torch.fx.Node
-) -> None:
-    """Rewrite each float32 ``native_dropout_backward(g, mask, scale)`` of the split dropout as
-    eager's ``MulBackward``: ``g * noise`` (bitwise: ``g * m * s == g * (m * s)``)."""
-    aten = torch.ops.aten
-    for user in list(mask.users):
-        if user.target is not aten.native_dropout_backward.default:
-            continue
-        grad, bw_scale = user.args[0], user.args[2]
-        if not isinstance(grad, torch.fx.Node) or bw_scale != scale:
-            continue
-        gv = grad.meta.get("val")
-        if gv is None or gv.dtype != torch.float32:
-            continue
-        with graph.inserting_before(user):
-            product = graph.call_function(aten.mul.Tensor, (grad, noise))
-        product.meta.update(user.meta)
-        user.replace_all_uses_with(product)
-        graph.erase_node(user)
 
 
 def _dropout_backward_as_eager(graph: torch.fx.Graph) -> None:
