@@ -157,7 +157,14 @@ def main() -> None:
                       str(r["bitwise"]))  # fmt: skip
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
-    with (RESULTS / "executor_speed.csv").open("w", newline="") as f:
+    path = RESULTS / "executor_speed.csv"
+    measured = {r["model"] for r in rows}
+    if path.exists():  # a --models subset replaces its own models' rows, keeps the others'
+        with path.open() as f:
+            kept = [r for r in csv.DictReader(f) if r["model"] not in measured]
+        order = list(MODELS)
+        rows = sorted([*kept, *rows], key=lambda r: order.index(r["model"]))
+    with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

@@ -57,7 +57,8 @@ def test_a_cheaper_plan_seen_earlier_is_taken(monkeypatch: pytest.MonkeyPatch) -
     problem = remat.analyze(case.build(), case.inputs(), case.kwargs).problem
     keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
     least = min(least_peak(problem, n, CONFIG) for n in HEURISTICS)
-    budget = (least + keep_all) // 2
+    block = solve(problem, solver="block", budget_bytes=None).predicted_peak_bytes
+    budget = max((least + keep_all) // 2, block)  # one that the block plan fits
     worse = solve(problem, solver="block", budget_bytes=budget, config=CONFIG)
     better = solve(problem, solver="chain", budget_bytes=budget, config=CONFIG)
     assert better.recompute_time_s < worse.recompute_time_s
