@@ -445,41 +445,38 @@ def _cached_menu(
 ) -> list[Option]:
     """Menus depend on the block's problems and the solver's settings, not on the budget nor
     on which capture the block came from: the key is their whole content."""
-    sub, heavy = _block_problems(problem, structure.blocks[cls[0]])
+    sub, keep_all, heavy = _block_problems(problem, structure.blocks[cls[0]])
     key = (sub.content, heavy.content, dataclasses.replace(config, progress=None))
     if key in _MENUS:
         _MENUS.move_to_end(key)
         return _MENUS[key]
-    menu = _menu(sub, heavy, config)
+    menu = _menu(sub, keep_all, heavy, config)
     _MENUS[key] = menu
     if len(_MENUS) > MENU_CACHE:
         _MENUS.popitem(last=False)
     return menu
 
 
-def _block_problems(problem: Problem, block: Block) -> tuple[Problem, Problem]:
-    """The block alone, and with a ballast above its own backward peak (see :func:`_menu`)."""
+def _block_problems(problem: Problem, block: Block) -> tuple[Problem, Plan, Problem]:
+    """The block alone, its keep-all plan, and the block with a ballast above that plan's
+    peak (its own backward's; see :func:`_menu`)."""
     sub = block_problem(problem, block)
-    return sub, block_problem(problem, block, _keep_all(sub).predicted_peak_bytes)
-
-
-def _keep_all(sub: Problem) -> Plan:
-    return make_plan(
+    keep_all = make_plan(
         sub,
         sub.backward_reads | set(must_save(sub)),
         solver="keep_all",
         reason="",
         proof=Proof.HEURISTIC,
     )
+    return sub, keep_all, block_problem(problem, block, keep_all.predicted_peak_bytes)
 
 
-def _menu(sub: Problem, heavy: Problem, config: SolverConfig) -> list[Option]:
-    """Distinct plans of a block (``sub``), from keep-all to least peak; ``heavy``: the block
-    with a ballast (:func:`_block_problems`)."""
+def _menu(sub: Problem, keep_all: Plan, heavy: Problem, config: SolverConfig) -> list[Option]:
+    """Distinct plans of a block (``sub``), from keep-all to least peak; ``keep_all`` and
+    ``heavy`` (the block with a ballast): :func:`_block_problems`."""
     fwd = sub.forward_names
     per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
     deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
-    keep_all = _keep_all(sub)
     plans = [
         keep_all,
         make_plan(sub, must_save(sub), solver="keep_inputs", reason="", proof=Proof.HEURISTIC),

@@ -203,7 +203,7 @@ def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> Non
 
     solved: list[tuple[Problem, SolverConfig]] = []
 
-    def menu(sub: Problem, heavy: Problem, config: SolverConfig) -> list[object]:
+    def menu(sub: Problem, keep_all: object, heavy: Problem, config: SolverConfig) -> list[object]:
         solved.append((sub, config))
         return []
 
