@@ -24,6 +24,7 @@ from torch import nn
 
 import remat
 from remat.native.state import applied
+from tests.native import gloo_settle
 from tests.native.pp_worker import train_1f1b
 from tests.zoo import GPTStage, pipeline_loss, stage_inputs
 
@@ -74,28 +75,10 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor()  # type: ignore[attr-defined,no-any-return]  # DTensor under FSDP2
 
 
-def _settled_waits() -> None:
-    """After each wait on a collective, yield the core briefly: gloo's worker thread drops
-    its references to the collective's tensors only after it has marked the work done, and
-    with 4 ranks on 2 cores it can lag by several ops, holding an all-gathered block (a
-    timing of this host, not of the step: ``test_tensor_parallel.py``'s docstring)."""
-    import time
-
-    work = dist.distributed_c10d.Work
-    wait = work.wait
-
-    def settled(self: Any, *args: Any, **kwargs: Any) -> Any:
-        done = wait(self, *args, **kwargs)
-        time.sleep(0.001)
-        return done
-
-    work.wait = settled  # type: ignore[method-assign]
-
-
 def main(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    _settled_waits()
+    gloo_settle.settle_work_waits()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)

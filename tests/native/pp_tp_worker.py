@@ -26,6 +26,7 @@ import remat
 from remat.native.parallel import llama_tp_plan, tensor_parallel
 from remat.native.split import causal_lm_stages
 from remat.native.state import applied
+from tests.native import gloo_settle
 from tests.native.pp_worker import train_1f1b
 from tests.zoo import PIPELINE_SEQ, llama, pipeline_loss, stage_inputs
 
@@ -71,6 +72,7 @@ def main(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    gloo_settle.settle_functional_waits()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)

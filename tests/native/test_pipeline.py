@@ -58,7 +58,8 @@ def test_pipeline_stages_under_tensor_parallelism(tmp_path: Path, monkeypatch) -
     to gloo's late release of an all-reduced activation (``test_tensor_parallel.py``: the
     live meter at one of its two outcomes, the allocator from one below to two above). The
     job's plan, re-applied ahead of it to the stage on FakeTensors parallelized on a fake
-    ``(pp, tp)`` mesh, predicts the same live-tensor peak."""
+    ``(pp, tp)`` mesh, predicts the same live-tensor peak. Each wait lets gloo's thread let
+    go first (:func:`tests.native.gloo_settle.settle_functional_waits`)."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     mp.spawn(pp_tp_worker.main, args=(4, str(tmp_path)), nprocs=4)
     buffer = pp_tp_worker.MICROBATCH * PIPELINE_SEQ * 64 * 4  # one all-reduced activation
@@ -85,9 +86,9 @@ def test_pipeline_stages_under_fsdp2(tmp_path: Path, monkeypatch) -> None:  # ty
     ``PipelineStage`` drives FSDP2). Per rank: bitwise; the first step's live-meter peak the
     predicted one to the byte, the allocator's within max(1%, 64 KiB), both below eager;
     and the job's plan re-applied ahead of it, on FakeTensors, predicts the same. The
-    ranks yield their core after each collective wait (:func:`pp_fsdp_worker._settled_waits`:
-    else gloo's worker thread, 4 ranks on 2 cores, can hold an all-gathered block past its
-    release)."""
+    ranks yield their core after each collective wait (:func:`tests.native.gloo_settle.
+    settle_work_waits`: else gloo's worker thread, 4 ranks on 2 cores, can hold an
+    all-gathered block past its release)."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     mp.spawn(pp_fsdp_worker.main, args=(4, str(tmp_path)), nprocs=4)
     for rank in range(4):

@@ -23,6 +23,7 @@ from torch import nn
 
 import remat
 from remat.native.parallel import tensor_parallel
+from tests.native import gloo_settle
 from tests.native.dist_worker import _train  # the same 3 AdamW steps, measured
 from tests.native.tp_worker import build, parallelize
 
@@ -51,6 +52,8 @@ def _planned_ahead(tokens: torch.Tensor, plan_file: Path) -> tuple[int, int]:
 def main(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    gloo_settle.settle_functional_waits()
+    gloo_settle.settle_work_waits()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)

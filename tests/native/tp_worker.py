@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat.meter import measure_step, training_step
 from remat.native.parallel import llama_tp_plan, tensor_parallel
+from tests.native import gloo_settle
 from tests.native.dist_worker import _train  # the same 3 AdamW steps, measured
 from tests.zoo import llama
 
@@ -117,6 +118,7 @@ def _measured(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
 
 
 def main(rank: int, world: int, out: str, sequence_parallel: bool = False) -> None:
+    gloo_settle.settle_functional_waits()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
