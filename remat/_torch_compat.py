@@ -572,6 +572,17 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
     return _disable_current_modes()  # type: ignore[no-any-return]
 
 
+def module_shell(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` with its own dictionary of children (``copy.copy`` shares
+    ``_modules``): replacing a child of the copy leaves ``module`` as it was. Parameters,
+    buffers and hooks stay shared."""
+    import copy
+
+    shell = copy.copy(module)
+    shell._modules = dict(module._modules)
+    return shell
+
+
 def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are FakeTensors of ``mode``
     (shapes, dtypes and aliasing kept; no data copied)."""

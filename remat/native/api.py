@@ -27,7 +27,7 @@ from remat.budget import PRECISIONS
 from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
-from remat.native import planner, regions
+from remat.native import planner, regions, shallow
 from remat.native.pipelining import Pipeline
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
@@ -95,8 +95,9 @@ def apply(
     and attention outputs) or ``block`` (each block recomputed whole); or a plan file from
     :func:`save_plan`, re-applied without solving (one solved for other blocks or shapes
     raises :class:`remat.PlanFileError`). ``solver``: ``auto`` (the chain DP over per-block menus,
-    each option traced, and the exact MILP on the step's dataflow; the cheapest traced plan
-    that fits), or one of remat's solvers planning for PyTorch's checkpoint executor
+    each option traced on every block -- on two shallow copies of a stack of 12 regions or
+    more, :mod:`remat.native.shallow` -- and the exact MILP on the step's dataflow; the
+    cheapest plan traced on the model that fits), or one of remat's solvers planning for PyTorch's checkpoint executor
     (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``, ``chen_greedy``, ...: see
     :mod:`remat.solver.executor`), its plan traced and re-solved for less while over budget.
     ``block_types``: class names or path patterns of the blocks (default: the children of the
@@ -363,8 +364,9 @@ def analyze(
     return Traced(fake, profile, autocast), problem
 
 
-Analyzed = tuple[planner.NativeProblem, planner.Tracer]
-"""A step traced with every region eager, and how to trace it under other policies."""
+Analyzed = tuple[planner.NativeProblem, planner.Tracer, shallow.UniformCosts | None]
+"""A step traced with every region eager, how to trace it under other policies, and how to
+cost its uniform plans on shallow copies (None: a pipeline stage, or a real copy)."""
 
 
 def _plan(
@@ -389,17 +391,22 @@ def _plan(
         traced, problem = analyze(
             model, regions_, args, kwargs, req, profile, fsdp_units=blocks, stage=stage
         )
-        return problem, lambda policies, schedule=True: traced.trace(
-            args, kwargs, policies, schedule
+        uniform = None
+        if stage is None and not traced.fake.real:
+            uniform = uniform_costs(model, regions_, blocks, args, kwargs, req, profile)
+        return (
+            problem,
+            lambda policies, schedule=True: traced.trace(args, kwargs, policies, schedule),
+            uniform,
         )
 
     if req.is_plan_file():
         assert isinstance(plan, (str, Path))
         f = read_plan(plan)
-        problem, tracer = on(_file_regions(f, model, blocks))
+        problem, tracer, _ = on(_file_regions(f, model, blocks))
         return problem, _from_file(problem, f, plan, tracer)
     if isinstance(plan, str):
-        problem, tracer = on(blocks)
+        problem, tracer, _ = on(blocks)
         solution = planner.fixed(problem, plan, tracer)
         if step_budget is not None and solution.trace.peak_bytes > step_budget:
             raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
@@ -411,9 +418,9 @@ def _plan(
     def solved(
         regions_: tuple[str, ...], analyzed: Analyzed | None = None
     ) -> tuple[planner.NativeProblem, planner.Solution]:
-        problem, tracer = analyzed or on(regions_)
+        problem, tracer, uniform = analyzed or on(regions_)
         return problem, planner.solve(
-            problem, tracer, budget_bytes=step_budget, config=config, solver=solver
+            problem, tracer, budget_bytes=step_budget, config=config, solver=solver, uniform=uniform
         )
 
     best: tuple[planner.NativeProblem, planner.Solution] | None = None
@@ -459,6 +466,31 @@ def _plan(
     return best
 
 
+def uniform_costs(
+    model: nn.Module,
+    regions_: tuple[str, ...],
+    units: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    req: Request,
+    profile: DeviceProfile,
+) -> shallow.UniformCosts:
+    """How the chain DP costs the uniform plans of ``model`` (its ``regions_``, FSDP2
+    ``units``) on two shallow copies (:mod:`remat.native.shallow`), each analyzed as the
+    model is."""
+
+    def copy_of(
+        copy: nn.Module, copy_regions: tuple[str, ...], copy_units: tuple[str, ...]
+    ) -> Callable[[str], StepTrace]:
+        traced, problem = analyze(
+            copy, copy_regions, args, kwargs, req, profile, fsdp_units=copy_units
+        )
+        plans = planner.uniform_plans(problem)
+        return lambda name: traced.trace(args, kwargs, plans[name])
+
+    return shallow.uniform_costs(model, regions_, units, copy_of)
+
+
 def _worth_a_region(
     on: Callable[[tuple[str, ...]], Analyzed],
     blocks: tuple[str, ...],
@@ -472,7 +504,7 @@ def _worth_a_region(
     region), so recomputing one gains nothing; left out, it cannot hold a plan above the
     blocks' least peak."""
     analyzed = on(blocks + outside)
-    problem, tracer = analyzed
+    problem, tracer, _ = analyzed
     trace = tracer(
         [
             None if path in blocks else planner.required_keys(problem.streams[problem.class_of(k)])

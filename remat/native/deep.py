@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from remat.native.dynamic import Sample, moments
 from remat.native.trace import OpEvent, StepTrace
+from remat.solver.chain import ChainCosts
 from remat.solver.formula import FitError
 
 __all__ = ["EDGE", "SHALLOW", "deep_sample"]
@@ -49,15 +50,17 @@ def _position(block: int, layers: int) -> object:
     return block
 
 
-def _keyed(trace: StepTrace, layers: int) -> dict[object, list[tuple[Key, OpEvent]]]:
-    """The trace's moments grouped by position (``first``, ``last``, a middle block's index,
-    ``outside``), each keyed by its phase, op and ordinal there. An op outside the blocks
-    after a block's ops (in the same phase) goes with that block: FSDP2's hooks of the next
-    block run there, once per block."""
+def _keyed(
+    trace: StepTrace, layers: int, events: Sequence[OpEvent] | None = None
+) -> dict[object, list[tuple[Key, OpEvent]]]:
+    """The trace's moments (or ``events``) grouped by position (``first``, ``last``, a
+    middle block's index, ``outside``), each keyed by its phase, op and ordinal there. An op
+    outside the blocks after a block's ops (in the same phase) goes with that block: FSDP2's
+    hooks of the next block run there, once per block."""
     out: dict[object, list[tuple[Key, OpEvent]]] = {}
     seen: Counter[tuple[object, str, bool]] = Counter()
     last: dict[str, int] = {}
-    for e in moments(trace):
+    for e in moments(trace) if events is None else events:
         inside = e.block >= 0
         if inside:
             last[e.phase] = e.block
@@ -159,4 +162,72 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
         sum(held) + (layers - n_small) * held[EDGE],
         peak,
         tensor_peak,
+    )
+
+
+def deep_costs(small: StepTrace, large: StepTrace, layers: int) -> ChainCosts:
+    """:func:`remat.native.planner.costs` of the ``layers``-region step under one policy for
+    every region (a uniform plan of the chain DP), from its copies' traces under it. Every
+    event is extrapolated (views too: a block's first op can hold its peak), as
+    :func:`deep_sample` does the moments: the regions at the ends, and each middle region
+    ``k``."""
+    n_small, n_large = SHALLOW
+    s = _keyed(small, n_small, small.events)
+    g = _keyed(large, n_large, large.events)
+    ends: list[object] = ["outside", *(("edge", k) for k in (*range(EDGE), *range(-EDGE, 0)))]
+    for pos in ends:
+        _check(f"{pos}", s.get(pos, []), g.get(pos, []))
+    for k in (EDGE, EDGE + 1):
+        _check(f"middle block {k}", s[EDGE], g[k])
+    held = [end - start for start, end in small.forward_live]
+    if [end - start for start, end in large.forward_live] != [*held[: EDGE + 1], *held[EDGE:]]:
+        raise FitError("the shallow copies' blocks save different bytes: not equal blocks")
+    keep = [*held[:EDGE], *[held[EDGE]] * (layers - 2 * EDGE), *held[-EDGE:]]
+    prefix = [0]
+    for kept in keep:
+        prefix.append(prefix[-1] + kept)
+    extra = layers - n_small
+    fw_peak = [0] * layers
+    bw_peak = [0] * layers
+    time_s = [0.0] * layers
+    head = tail = 0
+
+    def add(e: OpEvent, block: int, value: int, outside_group: bool) -> None:
+        nonlocal head, tail
+        if e.block < 0:
+            if e.phase == "forward" and outside_group:
+                head = max(head, value)  # before the first block's forward
+            else:
+                tail = max(tail, value - prefix[-1])
+            return
+        if e.phase == "forward":
+            fw_peak[block] = max(fw_peak[block], value)
+        else:
+            bw_peak[block] = max(bw_peak[block], value)
+        if e.recompute:
+            time_s[block] += e.time_s
+
+    for pos in ends:
+        block = -1
+        if isinstance(pos, tuple):
+            block = int(pos[1]) if pos[1] >= 0 else layers + int(pos[1])  # type: ignore[operator]
+        for (_, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True):
+            add(
+                e,
+                block,
+                e.allocated_bytes + extra * (f.allocated_bytes - e.allocated_bytes),
+                pos == "outside",
+            )
+    for (_, e), (_, f1), (_, f2) in zip(s[EDGE], g[EDGE], g[EDGE + 1], strict=True):
+        base = e.allocated_bytes + extra * (f1.allocated_bytes - e.allocated_bytes)
+        step = f2.allocated_bytes - f1.allocated_bytes
+        for k in range(EDGE, layers - EDGE):
+            add(e, k, base + (k - EDGE) * step, False)
+    return ChainCosts(
+        keep=keep,
+        fw_base=[fw_peak[k] - prefix[k] for k in range(layers)],
+        bw_base=[bw_peak[k] - prefix[k] for k in range(layers)],
+        tail_base=tail,
+        head=head,
+        time_s=time_s,
     )

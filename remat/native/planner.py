@@ -52,6 +52,7 @@ from remat.graph.profiles import DeviceProfile
 from remat.native.dataflow import problem_of
 from remat.native.pipelining import ScheduleTrace
 from remat.native.regions import OpKey, Policy
+from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.problem import Problem
 from remat.solver import registry
@@ -328,10 +329,12 @@ def solve(
     budget_bytes: int | None,
     config: SolverConfig,
     solver: str = "auto",
+    uniform: UniformCosts | None = None,
 ) -> Solution:
     """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring).
     ``solver``: ``auto``, or one of remat's solvers, which plan on the step's dataflow for
-    the ``sac`` executor (:func:`planned`)."""
+    the ``sac`` executor (:func:`planned`). ``uniform``: the chain DP's uniform plans costed
+    on shallow copies of a deep stack (:mod:`remat.native.shallow`), where it has one."""
     if solver != "auto":
         return planned(problem, tracer, solver, budget_bytes=budget_bytes, config=config)
     if budget_bytes is None:
@@ -344,7 +347,7 @@ def solve(
         )
     t0 = time.perf_counter()
     progress = config.progress or (lambda _: None)
-    chain, traced = _chain(problem, tracer, budget_bytes, config, t0 + config.time_limit_s)
+    chain, traced = _chain(problem, tracer, budget_bytes, config, t0 + config.time_limit_s, uniform)
     milp: Solution | None = None
     left = t0 + config.time_limit_s - time.perf_counter()
     if left > 0:
@@ -384,7 +387,12 @@ def _ms(solution: Solution) -> str:
 
 
 def _chain(
-    problem: NativeProblem, tracer: Tracer, budget_bytes: int, config: SolverConfig, deadline: float
+    problem: NativeProblem,
+    tracer: Tracer,
+    budget_bytes: int,
+    config: SolverConfig,
+    deadline: float,
+    uniform: UniformCosts | None = None,
 ) -> tuple[Solution | BudgetError, int]:
     """The chain DP's cheapest traced plan that fits (or the error saying none does), and
     how many plans it traced."""
@@ -403,11 +411,17 @@ def _chain(
         return found[key]
 
     schedule = problem.baseline.schedule
+    shallow: list[tuple[ChainCosts, int]] | None = None
     if schedule is None:
+        shallow = _shallow_costs(problem, uniform, n_classes, n_opts, progress)
+    if shallow is not None:
+        table = [c for c, _ in shallow]
+        least = min(peak for _, peak in shallow)
+    elif schedule is None:
         progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
-        uniform = [run([o] * n) for o in range(n_opts)]
-        table = [costs(t) for t in uniform]
-        least = min(t.peak_bytes for t in uniform)
+        traces = [run([o] * n) for o in range(n_opts)]
+        table = [costs(t) for t in traces]
+        least = min(t.peak_bytes for t in traces)
     else:
         progress(
             f"native: {n} regions, {n_classes} class(es), {n_opts} options; one microbatch's "
@@ -425,6 +439,8 @@ def _chain(
         _fit(table, target, n, run)
     if schedule is not None:
         _misjudged(table, n, n_opts, budget_bytes, found, run)
+    if shallow is not None:
+        _uniform_contenders(shallow, n, budget_bytes, found, run)
     fitting = [(c, t) for c, t in found.items() if t.peak_bytes <= budget_bytes]
     traced = len(found) - 1
     if not fitting:
@@ -433,9 +449,14 @@ def _chain(
     choice, trace = min(fitting, key=lambda ct: (ct[1].recompute_time_s, ct[1].peak_bytes))
     names = [options_of[k][o].name for k, o in enumerate(choice)]
     summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
+    copies = (
+        f"; the uniform plans costed on copies with {SHALLOW[0]} and {SHALLOW[1]} regions"
+        if shallow is not None
+        else ""
+    )
     reason = (
         f"chain DP over {n} regions ({n_opts} options per class, {traced} plans traced "
-        f"on FakeTensors): {summary}"
+        f"on FakeTensors{copies}): {summary}"
     )
     chosen = Solution(
         tuple(_policies(options_of, choice)),
@@ -446,6 +467,60 @@ def _chain(
         tuple(names),
     )
     return chosen, traced
+
+
+def _shallow_costs(
+    problem: NativeProblem,
+    uniform: UniformCosts | None,
+    n_classes: int,
+    n_opts: int,
+    progress: Callable[[str], object],
+) -> list[tuple[ChainCosts, int]] | None:
+    """The uniform plans' chain costs and peaks from shallow copies (None: trace them on the
+    model), checked on the eager plan against the model's own trace."""
+    n = len(problem.blocks)
+    if uniform is None or n < MIN_REGIONS:
+        return None
+    progress(
+        f"native: {n} regions, {n_classes} class(es), {n_opts} options; each traced on "
+        f"copies with {SHALLOW[0]} and {SHALLOW[1]} regions"
+    )
+    names = list(uniform_plans(problem))
+    baseline = problem.baseline
+    try:
+        (eager,) = uniform(names[:1])
+        if eager != (costs(baseline), baseline.peak_bytes):
+            # E.g. a peak between ops (RNG states, FSDP2's resized parameters on the host),
+            # which is no op's moment and does not extrapolate.
+            progress(
+                f"native: the copies' eager step is not the model's (peak {eager[1]:,} B "
+                f"against {baseline.peak_bytes:,} B); tracing it instead"
+            )
+            return None
+        return [eager, *uniform(names[1:])]
+    except Exception as e:  # any failure of the copies: the model's own traces are exact
+        progress(f"native: the copies do not stand for the model ({e}); tracing it instead")
+        return None
+
+
+def _uniform_contenders(
+    rows: Sequence[tuple[ChainCosts, int]],
+    n: int,
+    budget_bytes: int,
+    found: dict[tuple[int, ...], StepTrace],
+    run: Callable[[Sequence[int]], StepTrace],
+) -> None:
+    """Trace on the model each uniform plan costed on the copies that could be the answer:
+    one that fits and recomputes no more than the best traced plan that fits (so the answer
+    is the one tracing every uniform plan would give); where none of those fits, the one of
+    least peak (whose peak the error reports)."""
+    fits = [t.recompute_time_s for t in found.values() if t.peak_bytes <= budget_bytes]
+    best = min(fits, default=math.inf)
+    for o, (c, peak) in enumerate(rows):
+        if peak <= budget_bytes and sum(c.time_s) <= best * (1 + 1e-9) + 1e-15:
+            run([o] * n)
+    if not any(t.peak_bytes <= budget_bytes for t in found.values()):
+        run([min(range(len(rows)), key=lambda o: rows[o][1])] * n)
 
 
 def _policies(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> list[Policy]:
