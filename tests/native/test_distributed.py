@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.checks import assert_peak_close
 from tests.native import dist_worker
+from tests.native.ranks import spawn
 
 WORLD = 2
 
@@ -72,7 +72,7 @@ def assert_trained_alike(got: dict[str, Any], rank: int | str) -> None:
 def test_bitwise_and_lower_peak_per_rank(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every engine of :data:`ENGINES`, one after the other in one spawn."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    mp.spawn(dist_worker.main, args=(WORLD, _budgets(), str(tmp_path)), nprocs=WORLD)
+    spawn(dist_worker.main, (WORLD, _budgets(), str(tmp_path)), WORLD)
     for engine in ENGINES:
         for rank in range(WORLD):
             got = torch.load(tmp_path / f"{engine}_{rank}.pt")

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import remat
 from remat.native.state import Applied, applied
 from tests.checks import assert_peak_close, gloo_late
 from tests.native import pp_fsdp_worker, pp_tp_worker, pp_worker
+from tests.native.ranks import spawn
 from tests.native.test_distributed import _free_port, assert_trained_alike
 from tests.zoo import PIPELINE_SEQ, GPTStage, pipeline_loss, stage_inputs
 
@@ -32,7 +32,7 @@ WORLD = 2
 @pytest.mark.slow
 def test_each_stage_bitwise_and_predicted(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    mp.spawn(pp_worker.main, args=(WORLD, str(tmp_path)), nprocs=WORLD)
+    spawn(pp_worker.main, (WORLD, str(tmp_path)), WORLD)
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"pp_{rank}.pt")
         for name, got in results.items():
@@ -61,7 +61,7 @@ def test_pipeline_stages_under_tensor_parallelism(tmp_path: Path, monkeypatch) -
     ``(pp, tp)`` mesh, predicts the same live-tensor peak. Each wait lets gloo's thread let
     go first (:func:`tests.native.gloo_settle.settle_functional_waits`)."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    mp.spawn(pp_tp_worker.main, args=(4, str(tmp_path)), nprocs=4)
+    spawn(pp_tp_worker.main, (4, str(tmp_path)), 4)
     buffer = pp_tp_worker.MICROBATCH * PIPELINE_SEQ * 64 * 4  # one all-reduced activation
     for rank in range(4):
         got = torch.load(tmp_path / f"pp_tp_{rank}.pt")
@@ -90,7 +90,7 @@ def test_pipeline_stages_under_fsdp2(tmp_path: Path, monkeypatch) -> None:  # ty
     settle_work_waits`: else gloo's worker thread, 4 ranks on 2 cores, can hold an
     all-gathered block past its release)."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    mp.spawn(pp_fsdp_worker.main, args=(4, str(tmp_path)), nprocs=4)
+    spawn(pp_fsdp_worker.main, (4, str(tmp_path)), 4)
     for rank in range(4):
         got = torch.load(tmp_path / f"pp_fsdp_{rank}.pt")
         stage = rank // 2

@@ -43,10 +43,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.checks import gloo_late
 from tests.native import tp_fsdp_worker, tp_worker
+from tests.native.ranks import spawn
 from tests.native.test_distributed import _free_port, assert_trained_alike
 
 WORLD = 2
@@ -89,7 +89,7 @@ def test_tensor_parallel_bitwise_and_predicted_per_rank(  # type: ignore[no-unty
     llama_tp_plan`): norms on sequence shards, all-gathers before attention and the MLP,
     reduce-scatters after them."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    mp.spawn(tp_worker.main, args=(WORLD, str(tmp_path), sequence_parallel), nprocs=WORLD)
+    spawn(tp_worker.main, (WORLD, str(tmp_path), sequence_parallel), WORLD)
     late = _late_sp if sequence_parallel else _late
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"tp_{rank}.pt")
@@ -108,7 +108,7 @@ def test_tensor_parallel_with_fsdp2_on_a_2d_mesh(tmp_path: Path, monkeypatch) ->
     module docstring's two outcomes) -- in the job, and the same ahead of it on FakeTensors
     over a fake 2-D mesh."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    mp.spawn(tp_fsdp_worker.main, args=(4, str(tmp_path)), nprocs=4)
+    spawn(tp_fsdp_worker.main, (4, str(tmp_path)), 4)
     for rank in range(4):
         got = torch.load(tmp_path / f"tp_fsdp_{rank}.pt")
         _assert_rank(got, rank)
