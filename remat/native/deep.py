@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from remat.native.dynamic import Sample, moments
 from remat.native.trace import OpEvent, StepTrace
-from remat.solver.chain import ChainCosts
+from remat.solver.chain import ChainCosts, ChainCostsBuilder
 from remat.solver.formula import FitError
 
 __all__ = ["EDGE", "SHALLOW", "deep_sample"]
@@ -81,19 +81,39 @@ def _check(what: str, a: Sequence[tuple[Key, OpEvent]], b: Sequence[tuple[Key, O
         raise FitError(f"the shallow copies' steps differ in {what}: not a stack of equal blocks")
 
 
+ENDS: tuple[object, ...] = ("outside", *(("edge", k) for k in (*range(EDGE), *range(-EDGE, 0))))
+"""The positions whose moments do not repeat: outside the blocks, and the blocks at each end."""
+
+
+def _matched(
+    small: StepTrace, large: StepTrace, *, every_event: bool
+) -> tuple[
+    dict[object, list[tuple[Key, OpEvent]]], dict[object, list[tuple[Key, OpEvent]]], list[int]
+]:
+    """The copies' moments (``every_event``: all their events) by position, checked to
+    match op for op, and the bytes each of the smaller copy's blocks saves (the larger's
+    must be the same with one more middle block)."""
+    n_small, n_large = SHALLOW
+    s = _keyed(small, n_small, small.events if every_event else None)
+    g = _keyed(large, n_large, large.events if every_event else None)
+    for pos in ENDS:
+        _check(f"{pos}", s.get(pos, []), g.get(pos, []))
+    for k in (EDGE, EDGE + 1):
+        _check(f"middle block {k}", s[EDGE], g[k])
+    held = [end - start for start, end in small.forward_live]
+    if [end - start for start, end in large.forward_live] != [*held[: EDGE + 1], *held[EDGE:]]:
+        raise FitError("the shallow copies' blocks save different bytes: not equal blocks")
+    return s, g, held
+
+
 def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
     """The ``layers``-block step at one shape from its copies' traces there
     (:data:`SHALLOW` blocks)."""
     n_small, n_large = SHALLOW
     if layers <= n_large:
         raise ValueError(f"a deep stack has more than {n_large} blocks, not {layers}")
-    s, g = _keyed(small, n_small), _keyed(large, n_large)
-    ends: list[object] = ["outside", *(("edge", k) for k in (*range(EDGE), *range(-EDGE, 0)))]
-    for pos in ends:
-        _check(f"{pos}", s.get(pos, []), g.get(pos, []))
+    s, g, held = _matched(small, large, every_event=False)
     middle = s[EDGE]
-    for k in (EDGE, EDGE + 1):
-        _check(f"middle block {k}", middle, g[k])
     extra = layers - n_small
 
     def label(pos: object) -> str:
@@ -117,7 +137,7 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
 
     moments_ = [
         extrapolated(f"{e.phase}:{label(pos)}:{e.op}#{key[-1]}", e, f)
-        for pos in ends
+        for pos in ENDS
         for (key, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True)
     ]
     for (key, e), (_, f1), (_, f2) in zip(middle, g[EDGE], g[EDGE + 1], strict=True):
@@ -141,13 +161,9 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
         ("between ops: unseen allocations", affine(unseen), False),
         ("between ops: live storages", affine(live), True),
     )
-    held = [end - start for start, end in small.forward_live]
-    held_large = [end - start for start, end in large.forward_live]
-    if held_large != [*held[: EDGE + 1], *held[EDGE:]]:
-        raise FitError("the shallow copies' blocks save different bytes: not equal blocks")
     ops: list[OpEvent] = []
     weights: list[int] = []
-    for pos in [*ends, EDGE]:
+    for pos in [*ENDS, EDGE]:
         weight = layers - 2 * EDGE if pos == EDGE else 1
         for _, e in s.get(pos, []):
             ops.append(e)
@@ -171,63 +187,26 @@ def deep_costs(small: StepTrace, large: StepTrace, layers: int) -> ChainCosts:
     event is extrapolated (views too: a block's first op can hold its peak), as
     :func:`deep_sample` does the moments: the regions at the ends, and each middle region
     ``k``."""
-    n_small, n_large = SHALLOW
-    s = _keyed(small, n_small, small.events)
-    g = _keyed(large, n_large, large.events)
-    ends: list[object] = ["outside", *(("edge", k) for k in (*range(EDGE), *range(-EDGE, 0)))]
-    for pos in ends:
-        _check(f"{pos}", s.get(pos, []), g.get(pos, []))
-    for k in (EDGE, EDGE + 1):
-        _check(f"middle block {k}", s[EDGE], g[k])
-    held = [end - start for start, end in small.forward_live]
-    if [end - start for start, end in large.forward_live] != [*held[: EDGE + 1], *held[EDGE:]]:
-        raise FitError("the shallow copies' blocks save different bytes: not equal blocks")
-    keep = [*held[:EDGE], *[held[EDGE]] * (layers - 2 * EDGE), *held[-EDGE:]]
-    prefix = [0]
-    for kept in keep:
-        prefix.append(prefix[-1] + kept)
-    extra = layers - n_small
-    fw_peak = [0] * layers
-    bw_peak = [0] * layers
-    time_s = [0.0] * layers
-    head = tail = 0
+    s, g, held = _matched(small, large, every_event=True)
+    costs = ChainCostsBuilder([*held[:EDGE], *[held[EDGE]] * (layers - 2 * EDGE), *held[-EDGE:]])
+    extra = layers - SHALLOW[0]
 
-    def add(e: OpEvent, block: int, value: int, outside_group: bool) -> None:
-        nonlocal head, tail
-        if e.block < 0:
-            if e.phase == "forward" and outside_group:
-                head = max(head, value)  # before the first block's forward
-            else:
-                tail = max(tail, value - prefix[-1])
-            return
-        if e.phase == "forward":
-            fw_peak[block] = max(fw_peak[block], value)
-        else:
-            bw_peak[block] = max(bw_peak[block], value)
+    def add(e: OpEvent, region: int, value: int, pos: object) -> None:
+        region = region if e.block >= 0 else -1
+        costs.add(e.phase, region, value, before_regions=pos == "outside")
         if e.recompute:
-            time_s[block] += e.time_s
+            costs.recompute(region, e.time_s)
 
-    for pos in ends:
-        block = -1
+    for pos in ENDS:
+        region = -1
         if isinstance(pos, tuple):
-            block = int(pos[1]) if pos[1] >= 0 else layers + int(pos[1])  # type: ignore[operator]
+            k = int(pos[1])
+            region = k if k >= 0 else layers + k
         for (_, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True):
-            add(
-                e,
-                block,
-                e.allocated_bytes + extra * (f.allocated_bytes - e.allocated_bytes),
-                pos == "outside",
-            )
+            add(e, region, e.allocated_bytes + extra * (f.allocated_bytes - e.allocated_bytes), pos)
     for (_, e), (_, f1), (_, f2) in zip(s[EDGE], g[EDGE], g[EDGE + 1], strict=True):
         base = e.allocated_bytes + extra * (f1.allocated_bytes - e.allocated_bytes)
         step = f2.allocated_bytes - f1.allocated_bytes
         for k in range(EDGE, layers - EDGE):
-            add(e, k, base + (k - EDGE) * step, False)
-    return ChainCosts(
-        keep=keep,
-        fw_base=[fw_peak[k] - prefix[k] for k in range(layers)],
-        bw_base=[bw_peak[k] - prefix[k] for k in range(layers)],
-        tail_base=tail,
-        head=head,
-        time_s=time_s,
-    )
+            add(e, k, base + (k - EDGE) * step, EDGE)
+    return costs.costs()

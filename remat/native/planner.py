@@ -56,7 +56,7 @@ from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.problem import Problem
 from remat.solver import registry
-from remat.solver.chain import ChainCosts, chain_dp, chain_peak
+from remat.solver.chain import ChainCosts, ChainCostsBuilder, chain_dp, chain_peak
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import executor_of
 from remat.solver.plan import Plan, Proof, fmt_bytes
@@ -175,39 +175,14 @@ def required_keys(stream: Sequence[OpEvent]) -> frozenset[OpKey]:
 
 def costs(trace: StepTrace) -> ChainCosts:
     """Per-block quantities of a traced step (see :class:`remat.solver.chain.ChainCosts`)."""
-    n = len(trace.blocks)
-    keep = [end - start for start, end in trace.forward_live]
-    prefix = [0]
-    for kept in keep:
-        prefix.append(prefix[-1] + kept)
-    fw_peak = [0] * n
-    bw_peak = [0] * n
-    time_s = [0.0] * n
-    head = tail = 0
+    built = ChainCostsBuilder([end - start for start, end in trace.forward_live])
     seen_block = False
     for e in trace.events:
-        if e.phase == "forward" and e.block < 0:
-            if seen_block:
-                tail = max(tail, e.allocated_bytes - prefix[-1])
-            else:
-                head = max(head, e.allocated_bytes)
-        elif e.phase == "forward":
-            seen_block = True
-            fw_peak[e.block] = max(fw_peak[e.block], e.allocated_bytes)
-        elif e.block < 0:
-            tail = max(tail, e.allocated_bytes - prefix[-1])
-        else:
-            bw_peak[e.block] = max(bw_peak[e.block], e.allocated_bytes)
+        seen_block = seen_block or (e.phase == "forward" and e.block >= 0)
+        built.add(e.phase, e.block, e.allocated_bytes, before_regions=not seen_block)
         if e.recompute:
-            time_s[e.block] += e.time_s
-    return ChainCosts(
-        keep=keep,
-        fw_base=[fw_peak[k] - prefix[k] for k in range(n)],
-        bw_base=[bw_peak[k] - prefix[k] for k in range(n)],
-        tail_base=tail,
-        head=head,
-        time_s=time_s,
-    )
+            built.recompute(e.block, e.time_s)
+    return built.costs()
 
 
 def in_flight_at_peak(schedule: ScheduleTrace) -> int:

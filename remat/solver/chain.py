@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -103,6 +104,48 @@ class ChainCosts:
     head: int
     """Peak before the first block (embeddings): independent of the plan."""
     time_s: list[float]
+
+
+class ChainCostsBuilder:
+    """Fills :class:`ChainCosts` from a step's moments: per region, the peak of its forward
+    and of its backward less the bytes the regions before it keep; outside them, the peak
+    before the first region's forward (``head``) and every other one less all the regions
+    keep (``tail``); and per region the time its backward recomputes."""
+
+    def __init__(self, keep: list[int]) -> None:
+        self.keep = keep
+        self._prefix = [0, *itertools.accumulate(keep)]
+        self._fw = [0] * len(keep)
+        self._bw = [0] * len(keep)
+        self._time_s = [0.0] * len(keep)
+        self._head = self._tail = 0
+
+    def add(self, phase: str, region: int, value: int, *, before_regions: bool = False) -> None:
+        """A moment of ``value`` bytes in ``phase`` of ``region`` (-1: outside the regions;
+        ``before_regions``: before the first region's forward)."""
+        if region < 0:
+            if phase == "forward" and before_regions:
+                self._head = max(self._head, value)
+            else:
+                self._tail = max(self._tail, value - self._prefix[-1])
+        elif phase == "forward":
+            self._fw[region] = max(self._fw[region], value)
+        else:
+            self._bw[region] = max(self._bw[region], value)
+
+    def recompute(self, region: int, time_s: float) -> None:
+        self._time_s[region] += time_s
+
+    def costs(self) -> ChainCosts:
+        n = len(self.keep)
+        return ChainCosts(
+            keep=self.keep,
+            fw_base=[self._fw[k] - self._prefix[k] for k in range(n)],
+            bw_base=[self._bw[k] - self._prefix[k] for k in range(n)],
+            tail_base=self._tail,
+            head=self._head,
+            time_s=self._time_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -552,42 +595,25 @@ def _costs(
         new = [s for s in values[n].storages if s not in counted]
         counted.update(new)
         keep[owner] += problem.storages_bytes(new)
-    prefix = [0]
-    for kept in keep:
-        prefix.append(prefix[-1] + kept)
-    fw_peak = [0] * len(blocks)
-    bw_peak = [0] * len(blocks)
-    tail = head = 0
+    costs = ChainCostsBuilder(keep)
     current = -1
     seen_block = False
     for step in sim.timeline:
         k = where.get(step.name, -1)
         if step.phase == "forward":
             if k >= 0:
-                fw_peak[k] = max(fw_peak[k], step.allocated_bytes)
                 current, seen_block = k, True
-            elif seen_block:
-                tail = max(tail, step.allocated_bytes - prefix[-1])
-            else:
-                head = max(head, step.allocated_bytes)
+            costs.add("forward", k, step.allocated_bytes, before_regions=not seen_block)
             continue
         if k >= 0:
-            bw_peak[k] = max(bw_peak[k], step.allocated_bytes)
             current = k
-        elif step.phase == "runtime" or current == -1:
-            tail = max(tail, step.allocated_bytes - prefix[-1])
-        else:
-            bw_peak[current] = max(bw_peak[current], step.allocated_bytes)
+        elif step.phase != "runtime":
+            k = current  # a backward step of no block's: the block whose backward runs
+        costs.add("backward", k, step.allocated_bytes)
     rec = {s.name for s in sim.timeline if s.recompute}
-    time_s = [sum(values[n].time_s for n in (*b.forward,) if n in rec) for b in blocks]
-    return ChainCosts(
-        keep=keep,
-        fw_base=[fw_peak[k] - prefix[k] for k in range(len(blocks))],
-        bw_base=[bw_peak[k] - prefix[k] for k in range(len(blocks))],
-        tail_base=tail,
-        head=head,
-        time_s=time_s,
-    )
+    for k, b in enumerate(blocks):
+        costs.recompute(k, sum(values[n].time_s for n in (*b.forward,) if n in rec))
+    return costs.costs()
 
 
 def chain_peak(costs: Sequence[ChainCosts], choice: Sequence[int]) -> int:
