@@ -97,8 +97,8 @@ def apply(
     raises :class:`remat.PlanFileError`). ``solver``: ``auto`` (the chain DP over per-block menus,
     each option traced on every block -- on two shallow copies of a stack of 12 regions or
     more, :mod:`remat.native.shallow` -- and the exact MILP on the step's dataflow; the
-    cheapest plan traced on the model that fits), or one of remat's solvers planning for PyTorch's checkpoint executor
-    (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``, ``chen_greedy``, ...: see
+    cheapest plan traced on the model that fits), or one of remat's solvers planning for
+    PyTorch's checkpoint executor (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``, ``chen_greedy``, ...: see
     :mod:`remat.solver.executor`), its plan traced and re-solved for less while over budget.
     ``block_types``: class names or path patterns of the blocks (default: the children of the
     largest ModuleList).
@@ -392,7 +392,7 @@ def _plan(
             model, regions_, args, kwargs, req, profile, fsdp_units=blocks, stage=stage
         )
         uniform = None
-        if stage is None and not traced.fake.real:
+        if stage is None and not traced.fake.real:  # a stack of blocks, else None
             uniform = uniform_costs(model, regions_, blocks, args, kwargs, req, profile)
         return (
             problem,
@@ -474,10 +474,10 @@ def uniform_costs(
     kwargs: Mapping[str, Any],
     req: Request,
     profile: DeviceProfile,
-) -> shallow.UniformCosts:
+) -> shallow.UniformCosts | None:
     """How the chain DP costs the uniform plans of ``model`` (its ``regions_``, FSDP2
     ``units``) on two shallow copies (:mod:`remat.native.shallow`), each analyzed as the
-    model is."""
+    model is; None where the regions are not a ModuleList's children (sub-modules)."""
 
     def copy_of(
         copy: nn.Module, copy_regions: tuple[str, ...], copy_units: tuple[str, ...]

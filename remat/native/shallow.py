@@ -88,22 +88,25 @@ def uniform_costs(
     regions: tuple[str, ...],
     units: tuple[str, ...],
     analyzed: Copy,
-) -> UniformCosts:
+) -> UniformCosts | None:
     """The costs of the uniform plans of ``model`` (with ``regions``, FSDP2 ``units``) from
-    its two copies, analyzed with ``analyzed`` on first use. Raises :class:`FitError` where
-    the model is no stack of equal blocks (and whatever the copies' traces raise)."""
+    its two copies, analyzed with ``analyzed`` on first use; None where the regions are not
+    a ModuleList's children. Its calls raise :class:`FitError` where the copies are no stack
+    of equal blocks (and whatever the copies' traces raise)."""
+    try:
+        path = _stack(model, regions)
+    except FitError:
+        return None
+    outside = sum(not r.startswith(path + ".") for r in regions)
     tracers: list[Callable[[str], StepTrace]] = []
 
     def costs(names: Sequence[str]) -> list[tuple[ChainCosts, int]]:
         if not tracers:
-            path = _stack(model, regions)
-            outside = sum(not r.startswith(path + ".") for r in regions)
             for n in SHALLOW:
                 copy_, kept = truncated(model, regions, n - outside)
                 if len(kept) != n:
                     raise FitError(f"the copy has {len(kept)} regions, not {n}")
-                kept_units = _kept(units, path, n - outside)
-                tracers.append(analyzed(copy_, kept, kept_units))
+                tracers.append(analyzed(copy_, kept, _kept(units, path, n - outside)))
         out = []
         for name in names:
             small, large = (trace(name) for trace in tracers)

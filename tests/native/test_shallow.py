@@ -14,7 +14,7 @@ from torch import nn
 
 from remat.graph.profiles import get_profile
 from remat.models import TinyGPT
-from remat.native import planner
+from remat.native import planner, shallow
 from remat.native.api import analyze, kv_cache_off, uniform_costs
 from remat.native.regions import find_blocks
 from remat.native.shallow import MIN_REGIONS, truncated
@@ -138,3 +138,10 @@ def test_a_copy_shares_the_model_s_modules_and_leaves_it_whole() -> None:
     assert len(copy.model.layers) == 3 and len(model.model.layers) == LAYERS  # type: ignore[union-attr,arg-type]
     assert copy.model.layers[1] is model.model.layers[1]  # type: ignore[union-attr,index]
     assert copy.lm_head is model.lm_head
+    # Regions that are not the stack's children (its blocks' sub-modules): no copies.
+    subs = tuple(f"{b}.{m}" for b in blocks for m in ("self_attn", "mlp"))
+    assert shallow.uniform_costs(model, subs, blocks, _never) is None
+
+
+def _never(*args: Any) -> Any:
+    raise AssertionError("no copy is analyzed")
