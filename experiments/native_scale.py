@@ -7,7 +7,8 @@ Llama-7B (32 blocks), seq 4096, batch 1, built on FakeTensors; FSDP2 over 8 rank
 bf16 mixed precision (``precision="bf16-fsdp"``), the ``h100`` profile, AdamW; ``solver="auto"``
 (the chain DP, then the exact MILP on the step's dataflow with the time left). Each
 configuration runs in a fresh child process, one after the other; ``whole`` is the same run
-with the copies turned off (``planner.MIN_REGIONS`` raised past the model's regions). Per
+with the copies turned off (``MIN_REGIONS`` raised past the model's regions: the uniform
+plans, and what the modules outside the blocks hold, measured on the model). Per
 run: seconds to the end of the analysis (the eager traces), to the chain DP's answer, and in
 all; plans traced on the model; the chain DP's recompute (estimated, roofline) and the final
 plan's, its predicted peak, and which solver's plan it is. Writes
@@ -32,12 +33,12 @@ RESULTS = Path(__file__).parent / "results"
 
 def _run(budget_gb: float, copies: bool, time_limit: float) -> dict[str, Any]:
     import remat
-    from remat.native import planner
+    from remat.native import planner, shallow
     from remat.native.state import applied
     from remat.presets import build
 
-    if not copies:
-        planner.MIN_REGIONS = 10**9  # type: ignore[misc]
+    if not copies:  # no copies: the uniform plans and the outside modules on the model
+        planner.MIN_REGIONS = shallow.MIN_REGIONS = 10**9  # type: ignore[misc]
     marks: dict[str, float] = {}
     t0 = time.perf_counter()
 

@@ -50,6 +50,7 @@ from remat.request import (
     resolve_profile,
 )
 from remat.solver.config import BudgetError
+from remat.solver.formula import FitError
 from remat.solver.plan import Plan
 from remat.solver.registry import solvers_for
 
@@ -387,13 +388,15 @@ def _plan(
     that fits wins (each pass has the request's time limit). Fixed plans are the blocks'."""
     plan = req.plan
 
-    def on(regions_: tuple[str, ...]) -> Analyzed:
+    def on(
+        regions_: tuple[str, ...], of: nn.Module = model, units: tuple[str, ...] = blocks
+    ) -> Analyzed:
         traced, problem = analyze(
-            model, regions_, args, kwargs, req, profile, fsdp_units=blocks, stage=stage
+            of, regions_, args, kwargs, req, profile, fsdp_units=units, stage=stage
         )
         uniform = None
         if stage is None and not traced.fake.real:  # a stack of blocks, else None
-            uniform = uniform_costs(model, regions_, blocks, args, kwargs, req, profile)
+            uniform = uniform_costs(of, regions_, units, args, kwargs, req, profile)
         return (
             problem,
             lambda policies, schedule=True: traced.trace(args, kwargs, policies, schedule),
@@ -429,7 +432,7 @@ def _plan(
     t0 = time.perf_counter()
     try:
         if outside:
-            outside, analyzed = _worth_a_region(on, blocks, outside, progress)
+            outside, analyzed = _worth_a_region(on, model, blocks, outside, progress, stage)
     except TraceError as e:
         progress(f"native: the modules outside the blocks cannot be regions ({e})")
         outside = ()
@@ -492,22 +495,37 @@ def uniform_costs(
 
 
 def _worth_a_region(
-    on: Callable[[tuple[str, ...]], Analyzed],
+    on: Callable[..., Analyzed],
+    model: nn.Module,
     blocks: tuple[str, ...],
     outside: tuple[str, ...],
     progress: Callable[[str], object],
+    stage: Stage | None = None,
 ) -> tuple[tuple[str, ...], Analyzed | None]:
     """The modules of ``outside`` whose recomputation holds less from their forward to their
     backward than running them eagerly, measured by one trace with only those recomputed;
-    and the step analyzed on the blocks and them, where all are. Why: an embedding saves
-    nothing but its indices and a checkpoint saves the RNG state (5 KiB of CPU state per
-    region), so recomputing one gains nothing; left out, it cannot hold a plan above the
-    blocks' least peak."""
-    analyzed = on(blocks + outside)
-    problem, tracer, _ = analyzed
+    and the step analyzed on the blocks and them, where all are measured so. Why: an
+    embedding saves nothing but its indices and a checkpoint saves the RNG state (5 KiB of
+    CPU state per region), so recomputing one gains nothing; left out, it cannot hold a plan
+    above the blocks' least peak. What a module outside the blocks holds does not depend on
+    how many blocks run between them: on a deep stack (:data:`shallow.MIN_REGIONS` regions)
+    it is measured on a copy with :data:`shallow.SHALLOW` ``[0]`` blocks."""
+    analyzed: Analyzed | None = None
+    if stage is None and len(blocks) + len(outside) >= shallow.MIN_REGIONS:
+        try:
+            copy, kept = shallow.truncated(model, blocks + outside, shallow.SHALLOW[0])
+            copy_blocks = tuple(p for p in kept if p in blocks)
+            measured = on(kept, copy, copy_blocks)
+        except FitError:  # the blocks are not a ModuleList's children
+            measured = analyzed = on(blocks + outside)
+    else:
+        measured = analyzed = on(blocks + outside)
+    problem, tracer, _ = measured
     trace = tracer(
         [
-            None if path in blocks else planner.required_keys(problem.streams[problem.class_of(k)])
+            None
+            if path not in outside
+            else planner.required_keys(problem.streams[problem.class_of(k)])
             for k, path in enumerate(problem.blocks)
         ],
         schedule=False,  # what a region holds is one microbatch's: no pipeline step needed

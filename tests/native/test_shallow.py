@@ -15,8 +15,8 @@ from torch import nn
 from remat.graph.profiles import get_profile
 from remat.models import TinyGPT
 from remat.native import planner, shallow
-from remat.native.api import analyze, kv_cache_off, uniform_costs
-from remat.native.regions import find_blocks
+from remat.native.api import _worth_a_region, analyze, kv_cache_off, uniform_costs
+from remat.native.regions import find_blocks, outside_blocks
 from remat.native.shallow import MIN_REGIONS, truncated
 from remat.request import Request
 from remat.solver.config import SolverConfig
@@ -145,3 +145,31 @@ def test_a_copy_shares_the_model_s_modules_and_leaves_it_whole() -> None:
 
 def _never(*args: Any) -> Any:
     raise AssertionError("no copy is analyzed")
+
+
+def test_what_the_modules_outside_a_deep_stack_hold_is_measured_on_a_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which modules outside the blocks are worth a region (what they hold from forward to
+    backward, recomputed against eager) does not depend on the depth: a copy with 5 blocks
+    decides as the 12-block model does, and leaves the model's analysis to the caller."""
+    model, args = _model(MIN_REGIONS)
+    req = Request.of(device_profile="h100")
+    profile = get_profile("h100")
+    blocks = find_blocks(model)
+    outside = outside_blocks(model, blocks)
+    analyzed: list[tuple[str, ...]] = []
+
+    def on(regions: tuple[str, ...], of: nn.Module = model, units: Any = blocks) -> Any:
+        traced, problem = analyze(of, regions, args, {}, req, profile, fsdp_units=units)
+        analyzed.append(regions)
+        return problem, lambda policies, schedule=True: traced.trace(args, {}, policies), None
+
+    with kv_cache_off(model):
+        on_copy = _worth_a_region(on, model, blocks, outside, lambda _: None)
+        assert analyzed == [blocks[:5] + outside]  # the copy alone
+        monkeypatch.setattr(shallow, "MIN_REGIONS", 10**9)
+        on_model = _worth_a_region(on, model, blocks, outside, lambda _: None)
+        assert analyzed[1:] == [blocks + outside]  # the model
+    assert on_copy[0] == on_model[0] != outside  # the embedding gains nothing
+    assert on_copy[1] is None and on_model[1] is None
