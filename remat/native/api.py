@@ -510,17 +510,30 @@ def _worth_a_region(
     above the blocks' least peak. What a module outside the blocks holds does not depend on
     how many blocks run between them: on a deep stack (:data:`shallow.MIN_REGIONS` regions)
     it is measured on a copy with :data:`shallow.SHALLOW` ``[0]`` blocks."""
+    useful: tuple[str, ...] | None = None
     analyzed: Analyzed | None = None
     if stage is None and len(blocks) + len(outside) >= shallow.MIN_REGIONS:
         try:
             copy, kept = shallow.truncated(model, blocks + outside, shallow.SHALLOW[0])
-            copy_blocks = tuple(p for p in kept if p in blocks)
-            measured = on(kept, copy, copy_blocks)
+            useful = _held_less(on(kept, copy, tuple(p for p in kept if p in blocks)), outside)
         except FitError:  # the blocks are not a ModuleList's children
-            measured = analyzed = on(blocks + outside)
-    else:
-        measured = analyzed = on(blocks + outside)
-    problem, tracer, _ = measured
+            pass
+        except Exception as e:  # any failure of the copy: the model's own trace decides
+            progress(f"native: the modules outside the blocks measured on the model ({e})")
+    if useful is None:
+        analyzed = on(blocks + outside)
+        useful = _held_less(analyzed, outside)
+    if useful == outside:
+        return outside, analyzed
+    left = ", ".join(p for p in outside if p not in useful)
+    progress(f"native: recomputing {left} (outside the blocks) gains nothing: kept eager")
+    return useful, None
+
+
+def _held_less(analyzed: Analyzed, outside: tuple[str, ...]) -> tuple[str, ...]:
+    """The modules of ``outside`` (regions of ``analyzed``) that hold less from their forward
+    to their backward recomputed than eager: one trace with only those recomputed."""
+    problem, tracer, _ = analyzed
     trace = tracer(
         [
             None
@@ -535,12 +548,7 @@ def _worth_a_region(
         start, end = t.forward_live[problem.blocks.index(path)]
         return end - start
 
-    useful = tuple(p for p in outside if held(trace, p) < held(problem.baseline, p))
-    if useful == outside:
-        return outside, analyzed
-    left = ", ".join(p for p in outside if p not in useful)
-    progress(f"native: recomputing {left} (outside the blocks) gains nothing: kept eager")
-    return useful, None
+    return tuple(p for p in outside if held(trace, p) < held(problem.baseline, p))
 
 
 def _cost(solution: planner.Solution) -> tuple[float, int]:

@@ -47,6 +47,8 @@ def _stack(model: nn.Module, regions: Sequence[str]) -> str:
         raise FitError("no ModuleList holds the regions")
     path = max(lists, key=lambda p: sum(r.startswith(p + ".") for r in regions))
     inside = [k for k, r in enumerate(regions) if r.startswith(path + ".")]
+    if not inside:
+        raise FitError("no ModuleList holds the regions")
     names = [regions[k][len(path) + 1 :] for k in inside]
     if names != [str(i) for i in range(len(names))] or inside != list(
         range(inside[0], inside[0] + len(inside))

@@ -20,6 +20,7 @@ from remat.native.regions import find_blocks, outside_blocks
 from remat.native.shallow import MIN_REGIONS, truncated
 from remat.request import Request
 from remat.solver.config import SolverConfig
+from remat.solver.formula import FitError
 from tests.zoo import llama
 
 LAYERS = 7  # deeper than the copies (6 blocks); planner.MIN_REGIONS is patched to it
@@ -141,6 +142,16 @@ def test_a_copy_shares_the_model_s_modules_and_leaves_it_whole() -> None:
     # Regions that are not the stack's children (its blocks' sub-modules): no copies.
     subs = tuple(f"{b}.{m}" for b in blocks for m in ("self_attn", "mlp"))
     assert shallow.uniform_costs(model, subs, blocks, _never) is None
+
+
+def test_blocks_outside_any_module_list_get_no_copies() -> None:
+    """Blocks in an ``nn.Sequential`` beside an unrelated ModuleList: no stack to cut."""
+    model = nn.Sequential(nn.Sequential(*(nn.Linear(4, 4) for _ in range(MIN_REGIONS))))
+    model.add_module("heads", nn.ModuleList([nn.Linear(4, 4)]))
+    blocks = tuple(f"0.{k}" for k in range(MIN_REGIONS))
+    assert shallow.uniform_costs(model, blocks, blocks, _never) is None
+    with pytest.raises(FitError, match="no ModuleList holds the regions"):
+        truncated(model, blocks, 5)
 
 
 def _never(*args: Any) -> Any:
