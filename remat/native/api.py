@@ -99,7 +99,8 @@ def apply(
     each option traced on every block -- on two shallow copies of a stack of 12 regions or
     more, :mod:`remat.native.shallow` -- and the exact MILP on the step's dataflow; the
     cheapest plan traced on the model that fits), or one of remat's solvers planning for
-    PyTorch's checkpoint executor (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``, ``chen_greedy``, ...: see
+    PyTorch's checkpoint executor (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``,
+    ``chen_greedy``, ...: see
     :mod:`remat.solver.executor`), its plan traced and re-solved for less while over budget.
     ``block_types``: class names or path patterns of the blocks (default: the children of the
     largest ModuleList).

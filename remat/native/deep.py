@@ -85,6 +85,16 @@ ENDS: tuple[object, ...] = ("outside", *(("edge", k) for k in (*range(EDGE), *ra
 """The positions whose moments do not repeat: outside the blocks, and the blocks at each end."""
 
 
+def _affine(
+    v: OpEvent, deeper: OpEvent, extra: int, field: str, next_: OpEvent | None = None, k: int = 0
+) -> int:
+    """``v``'s ``field`` (bytes) ``extra`` blocks deeper, from its match one block deeper
+    (``deeper``), and ``k`` blocks further into the middle, from ``deeper``'s next block
+    (``next_``)."""
+    further = k * (getattr(next_, field) - getattr(deeper, field)) if next_ is not None else 0
+    return int(getattr(v, field) + extra * (getattr(deeper, field) - getattr(v, field)) + further)
+
+
 def _matched(
     small: StepTrace, large: StepTrace, *, every_event: bool
 ) -> tuple[
@@ -125,15 +135,12 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
     def extrapolated(
         name: str, v: OpEvent, deeper: OpEvent, next_: OpEvent | None = None, k: int = 0
     ) -> tuple[str, int, int]:
-        """``v``'s bytes (at the allocator, as tensors) ``extra`` blocks deeper, from its
-        match one block deeper (``deeper``), and ``k`` blocks further into the middle, from
-        ``deeper``'s next block (``next_``)."""
-
-        def at(f: str) -> int:
-            further = k * (getattr(next_, f) - getattr(deeper, f)) if next_ is not None else 0
-            return getattr(v, f) + extra * (getattr(deeper, f) - getattr(v, f)) + further
-
-        return name, at("allocated_bytes"), at("tensor_bytes")
+        """``v``'s bytes, at the allocator and as tensors, deeper (:func:`_affine`)."""
+        return (
+            name,
+            _affine(v, deeper, extra, "allocated_bytes", next_, k),
+            _affine(v, deeper, extra, "tensor_bytes", next_, k),
+        )
 
     moments_ = [
         extrapolated(f"{e.phase}:{label(pos)}:{e.op}#{key[-1]}", e, f)
@@ -203,10 +210,8 @@ def deep_costs(small: StepTrace, large: StepTrace, layers: int) -> ChainCosts:
             k = int(pos[1])
             region = k if k >= 0 else layers + k
         for (_, e), (_, f) in zip(s.get(pos, []), g.get(pos, []), strict=True):
-            add(e, region, e.allocated_bytes + extra * (f.allocated_bytes - e.allocated_bytes), pos)
+            add(e, region, _affine(e, f, extra, "allocated_bytes"), pos)
     for (_, e), (_, f1), (_, f2) in zip(s[EDGE], g[EDGE], g[EDGE + 1], strict=True):
-        base = e.allocated_bytes + extra * (f1.allocated_bytes - e.allocated_bytes)
-        step = f2.allocated_bytes - f1.allocated_bytes
         for k in range(EDGE, layers - EDGE):
-            add(e, k, base + (k - EDGE) * step, EDGE)
+            add(e, k, _affine(e, f1, extra, "allocated_bytes", f2, k - EDGE), EDGE)
     return costs.costs()
