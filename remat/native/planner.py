@@ -56,7 +56,13 @@ from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.problem import Problem
 from remat.solver import registry
-from remat.solver.chain import ChainCosts, ChainCostsBuilder, chain_dp, chain_peak
+from remat.solver.chain import (
+    ChainCosts,
+    ChainCostsBuilder,
+    chain_dp,
+    chain_peak,
+    chain_time,
+)
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import executor_of
 from remat.solver.plan import Plan, Proof, fmt_bytes
@@ -407,11 +413,12 @@ def _chain(
     most = problem.baseline.peak_bytes
     grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
     # The budget's own plan first: the one that matters when the time limit cuts the rest.
+    best = functools.partial(_least_fitting, found, budget_bytes)
     for i, target in enumerate([budget_bytes] + [g for g in grid if g < budget_bytes]):
         if i and time.perf_counter() > deadline:
             progress("native: time limit reached; keeping the plans traced so far")
             break
-        _fit(table, target, n, run)
+        _fit(table, target, n, run, best)
     if schedule is not None:
         _misjudged(table, n, n_opts, budget_bytes, found, run)
     if shallow is not None:
@@ -489,13 +496,18 @@ def _uniform_contenders(
     one that fits and recomputes no more than the best traced plan that fits (so the answer
     is the one tracing every uniform plan would give); where none of those fits, the one of
     least peak (whose peak the error reports)."""
-    fits = [t.recompute_time_s for t in found.values() if t.peak_bytes <= budget_bytes]
-    best = min(fits, default=math.inf)
+    best = _least_fitting(found, budget_bytes)
     for o, (c, peak) in enumerate(rows):
         if peak <= budget_bytes and sum(c.time_s) <= best * (1 + 1e-9) + 1e-15:
             run([o] * n)
     if not any(t.peak_bytes <= budget_bytes for t in found.values()):
         run([min(range(len(rows)), key=lambda o: rows[o][1])] * n)
+
+
+def _least_fitting(found: Mapping[tuple[int, ...], StepTrace], budget_bytes: int) -> float:
+    """The least recompute time of a traced plan that fits (inf: none fits yet)."""
+    fits = (t.recompute_time_s for t in found.values() if t.peak_bytes <= budget_bytes)
+    return min(fits, default=math.inf)
 
 
 def _policies(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> list[Policy]:
@@ -538,19 +550,13 @@ def _misjudged(
     traced, least recompute first, until one fits: so none of them that the model puts
     within the budget is cheaper than the chosen plan and fits (one the model puts over it,
     wrongly, can be missed)."""
-    best = min(
-        (t.recompute_time_s for t in found.values() if t.peak_bytes <= budget_bytes),
-        default=math.inf,
-    )
+    best = _least_fitting(found, budget_bytes)
     last = n_opts - 1
     candidates = [[o] * n for o in range(n_opts)]
     candidates += [[last] * first + [0] * (n - first) for first in range(1, n)]
 
-    def recompute_s(choice: Sequence[int]) -> float:
-        return sum(table[o].time_s[k] for k, o in enumerate(choice))
-
-    for choice in sorted(candidates, key=recompute_s):
-        if recompute_s(choice) >= best:
+    for choice in sorted(candidates, key=lambda choice: chain_time(table, choice)):
+        if chain_time(table, choice) >= best:
             return
         if chain_peak(table, choice) <= budget_bytes and run(choice).peak_bytes <= budget_bytes:
             return
@@ -616,15 +622,25 @@ def planned(
 
 
 def _fit(
-    table: list[ChainCosts], target: int, n: int, run: Callable[[Sequence[int]], StepTrace]
+    table: list[ChainCosts],
+    target: int,
+    n: int,
+    run: Callable[[Sequence[int]], StepTrace],
+    best: Callable[[], float] = lambda: math.inf,
 ) -> None:
-    """DP for ``target``, tracing each choice and asking for less until one fits."""
+    """DP for ``target``, tracing each choice and asking for less until one fits. A choice
+    that recomputes more than ``best()`` (the least recompute of a traced plan that fits)
+    ends the search untraced: its trace would recompute exactly that much (a block's
+    recompute is its own ops', whatever the others run: the tests check it), and the later
+    choices, solved for less, as much or more (up to the DP's byte rounding)."""
     dp_budget = target
     step = max(1, target // 4000)
     tried: set[tuple[int, ...]] = set()
     for _ in range(DP_ROUNDS):
         choice = chain_dp(table, dp_budget, n)
         if choice is None:
+            return
+        if chain_time(table, choice) > best() * (1 + 1e-9):
             return
         key = tuple(choice)
         if key in tried:

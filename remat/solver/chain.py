@@ -628,6 +628,11 @@ def chain_peak(costs: Sequence[ChainCosts], choice: Sequence[int]) -> int:
     return max(peak, held + max(c.tail_base for c in costs))
 
 
+def chain_time(costs: Sequence[ChainCosts], choice: Sequence[int]) -> float:
+    """The recompute time :func:`chain_dp` minimises, for one choice."""
+    return sum(costs[o].time_s[k] for k, o in enumerate(choice))
+
+
 def chain_dp(costs: list[ChainCosts], budget: int, n_blocks: int) -> list[int] | None:
     """Least total time choice per block under the additive model, or None if none fits.
 
