@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -186,3 +187,34 @@ def test_solvers_plan_for_the_sac_executor_within_the_budget() -> None:
         registry.solve(problem, solver="exact", budget_bytes=least - 1)
     with pytest.raises(ValueError, match="for the sac executor"):
         registry.solve(problem, solver="chain", budget_bytes=budget)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_spans_rounds_scout_to_a_loose_gap_then_polish_the_round_that_fits(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rounds solve to ``SCOUT_GAP`` until one's plan fits; that round's model is solved
+    again to ``GAP``, warm-started from the scout's solution, and the cheaper fitting plan
+    of the two is returned: as cheap as solving every round to ``GAP``."""
+    calls: list[tuple[int, float, list[float] | None, list[float] | None]] = []
+    solve_lazily = spans._solve_lazily
+
+    def spy(*args: Any) -> list[float] | None:
+        found = solve_lazily(*args)
+        budget, gap, start = args[2], args[6], args[7] if len(args) > 7 else None
+        calls.append((budget, gap, start, found))
+        return found
+
+    monkeypatch.setattr(spans, "_solve_lazily", spy)
+    problem = sac_chain(seed, regions=3, ops=4)
+    least = make_plan(problem, (), solver="t", reason="", proof=Proof.HEURISTIC)
+    most = registry.solve(problem, solver="keep_all", budget_bytes=None)
+    budget = (least.predicted_peak_bytes + most.predicted_peak_bytes) // 2
+    plan = spans.solve_spans(problem, budget_bytes=budget, config=SolverConfig())
+    assert plan.predicted_peak_bytes <= budget
+    *scouts, polish = calls
+    assert scouts and all(gap == spans.SCOUT_GAP and start is None for _, gap, start, _ in scouts)
+    assert polish[:3] == (scouts[-1][0], spans.GAP, scouts[-1][3])
+    monkeypatch.setattr(spans, "SCOUT_GAP", spans.GAP)
+    tight = spans.solve_spans(problem, budget_bytes=budget, config=SolverConfig())
+    assert plan.recompute_time_s <= tight.recompute_time_s * (1 + spans.GAP) + 1e-15
