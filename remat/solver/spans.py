@@ -10,8 +10,9 @@ With one binary ``s[v]`` per candidate the memory at every moment is linear:
 
 and the objective, recompute time, is ``sum time[v] * (1 - s[v])``. A 7B model has tens of
 thousands of moments, so rows are added lazily: the model starts from the moments where the
-most could be held, each solution is evaluated at every moment (difference arrays), and the
-most violated moments join until none is. Within a row, a region's candidates that are all
+most could be held, each solution is evaluated at every moment (difference arrays), and every
+violated moment joins until none is; of the moments between two ends of lifetimes, which hold
+the same candidates, only the one of most base bytes is written. Within a row, a region's candidates that are all
 held whole enter through one variable per region. The model is only as exact as the
 lifetimes (the executor's simulation of the plan that keeps nothing); :func:`solve_spans`
 simulates its plan, and if that is over the budget, solves again for a budget smaller by the
@@ -53,7 +54,8 @@ SCOUT_GAP = 1e-2
 """Relative gap of the MILP's rounds until one's plan fits (then solved again to :data:`GAP`
 from it): those rounds only find how far below the budget the model must aim."""
 ROWS = 64
-"""Moments the model starts with, and the most violated moments added per lazy round."""
+"""The model starts from the rows of the moments where the most could be held and of those
+of most base bytes, this many of each."""
 
 
 class _Held:
@@ -69,6 +71,13 @@ class _Held:
         self.a = np.array([r[2] for r in rows], dtype=np.int64)
         self.b = np.array([r[3] for r in rows], dtype=np.int64)
         self.base = np.array(lt.base, dtype=np.float64)
+        # Between two piece ends every moment holds the same candidates: the one of most
+        # base bytes there stands for all (its row implies theirs).
+        ends = np.unique(np.concatenate([[0, len(self.base)], self.a, self.b + 1]))
+        self.rep = np.empty(len(self.base), dtype=np.int64)
+        for a, b in zip(ends[:-1], ends[1:], strict=True):
+            if a < b <= len(self.base):
+                self.rep[a:b] = a + int(np.argmax(self.base[a:b]))
 
     def at(self, m: int) -> dict[int, int]:
         """Candidate -> bytes it holds at moment ``m`` if kept."""
@@ -159,7 +168,8 @@ def _solve_lazily(
     lp, s, aggregate = _model(lt, held, budget, relax)
     warm = {x: round(v) for x, v in zip(s, start, strict=True)} if start else {}
     most = held.memory(np.ones(len(lt.candidates)))
-    rows = set(np.argsort(-most)[:ROWS].tolist()) | set(np.argsort(-held.base)[:ROWS].tolist())
+    first = np.concatenate([np.argsort(-most)[:ROWS], np.argsort(-held.base)[:ROWS]])
+    rows = set(held.rep[first].tolist())
     written: set[int] = set()
     while True:
         for m in rows - written:
@@ -175,10 +185,12 @@ def _solve_lazily(
             return None
         x = np.array(values, dtype=np.float64)
         memory = held.memory(x if relax else np.round(x))
-        over = [int(m) for m in np.flatnonzero(memory > budget + SLACK) if int(m) not in written]
-        if not over:  # (a written row is met within the solver's tolerance)
+        # Every violated moment's row joins at once: the blocks of a deep stack make many
+        # solutions equally good, and rows added a few at a time moved the violation from
+        # one block to the next (Llama-7B at 24 GB: 20 solves in 59 s, against 2 in 3.5 s).
+        rows = set(held.rep[memory > budget + SLACK].tolist()) - written
+        if not rows:  # (a written row is met within the solver's tolerance)
             return [float(v) for v in values]
-        rows = set(sorted(over, key=lambda m: -memory[m])[:ROWS])
 
 
 def _plans(

@@ -218,3 +218,16 @@ def test_spans_rounds_scout_to_a_loose_gap_then_polish_the_round_that_fits(
     monkeypatch.setattr(spans, "SCOUT_GAP", spans.GAP)
     tight = spans.solve_spans(problem, budget_bytes=budget, config=SolverConfig())
     assert plan.recompute_time_s <= tight.recompute_time_s * (1 + spans.GAP) + 1e-15
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_moment_s_row_is_implied_by_its_representative_s(seed: int) -> None:
+    """The spans MILP writes one row per run of moments that hold the same candidates: the
+    representative holds the same candidates, with as many base bytes or more."""
+    lt = SAC.lifetimes(sac_chain(seed, regions=3, ops=4))  # type: ignore[misc]
+    held = _Held(lt)
+    assert len(set(held.rep.tolist())) < len(lt.base)  # some moments are represented
+    for m in range(len(lt.base)):
+        r = int(held.rep[m])
+        assert held.at(m) == held.at(r)
+        assert held.base[r] >= held.base[m]
