@@ -49,7 +49,7 @@ from remat.request import (
     request_of,
     resolve_profile,
 )
-from remat.solver.config import BudgetError
+from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.formula import FitError
 from remat.solver.plan import Plan
 from remat.solver.registry import solvers_for
@@ -386,7 +386,11 @@ def _plan(
     (:func:`remat.native.regions.outside_blocks`; on the blocks alone where those cannot be
     regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
     place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
-    that fits wins (each pass has the request's time limit). Fixed plans are the blocks'."""
+    that fits wins. The request's time limit covers both passes: the finer one has the time
+    the first left, runs the exact MILP first and the chain DP only where its traces fit
+    (where the first found no plan, the finer one has the whole limit again). Tracing and
+    the MILP's lifetimes do not stop at the limit, so a call can run over it by a few
+    traces. Fixed plans are the blocks'."""
     plan = req.plan
 
     def on(
@@ -420,11 +424,20 @@ def _plan(
     outside = regions.outside_blocks(model, blocks)
 
     def solved(
-        regions_: tuple[str, ...], analyzed: Analyzed | None = None
+        regions_: tuple[str, ...],
+        analyzed: Analyzed | None = None,
+        config_: SolverConfig = config,
+        milp_first: bool = False,
     ) -> tuple[planner.NativeProblem, planner.Solution]:
         problem, tracer, uniform = analyzed or on(regions_)
         return problem, planner.solve(
-            problem, tracer, budget_bytes=step_budget, config=config, solver=solver, uniform=uniform
+            problem,
+            tracer,
+            budget_bytes=step_budget,
+            config=config_,
+            solver=solver,
+            uniform=uniform,
+            milp_first=milp_first,
         )
 
     best: tuple[planner.NativeProblem, planner.Solution] | None = None
@@ -446,7 +459,8 @@ def _plan(
         return _best(best, error)
     if best is not None and best[1].trace.recompute_time_s == 0:
         return best
-    if best is not None and time.perf_counter() - t0 > config.time_limit_s:
+    left = config.time_limit_s - (time.perf_counter() - t0)
+    if best is not None and left <= 0:
         progress(
             f"native: the time limit ({config.time_limit_s:g} s) is spent on the blocks: their "
             "sub-modules are not planned (a longer time limit plans them too)"
@@ -454,13 +468,23 @@ def _plan(
         return best
     progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
     try:
-        finer, solution = solved(split + outside)
+        # With the blocks' plan in hand, the finer pass has the time left, MILP first (it
+        # finds the finer plans; the chain DP runs where its traces fit). Without one, it is
+        # a second chance at any plan and has the whole time limit.
+        finer, solution = (
+            solved(split + outside, None, replace(config, time_limit_s=left), True)
+            if best is not None
+            else solved(split + outside)
+        )
     except BudgetError as e:
         if error is None or e.least_peak_bytes < error.least_peak_bytes:
             error = e
         return _best(best, error)
     except TraceError as e:  # a sub-module the step does not call, say: the blocks' plan
         progress(f"native: the sub-modules cannot be regions ({e})")
+        return _best(best, error)
+    except planner.OutOfTime as e:
+        progress(f"native: the sub-modules: {e}; the blocks' plan stands")
         return _best(best, error)
     solution = replace(
         solution, reason=f"regions: the blocks' {len(split)} sub-modules; {solution.reason}"

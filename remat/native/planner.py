@@ -311,11 +311,14 @@ def solve(
     config: SolverConfig,
     solver: str = "auto",
     uniform: UniformCosts | None = None,
+    milp_first: bool = False,
 ) -> Solution:
     """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring).
     ``solver``: ``auto``, or one of remat's solvers, which plan on the step's dataflow for
     the ``sac`` executor (:func:`planned`). ``uniform``: the chain DP's uniform plans costed
-    on shallow copies of a deep stack (:mod:`remat.native.shallow`), where it has one."""
+    on shallow copies of a deep stack (:mod:`remat.native.shallow`), where it has one.
+    ``milp_first``: the exact MILP first, and the chain DP only where its traces fit in the
+    time left (a second pass, whose first pass's plan stands if neither runs)."""
     if solver != "auto":
         return planned(problem, tracer, solver, budget_bytes=budget_bytes, config=config)
     if budget_bytes is None:
@@ -327,26 +330,80 @@ def solve(
             (None,) * n, problem.baseline, "auto", reason, Proof.OPTIMAL, ("eager",) * n
         )
     t0 = time.perf_counter()
+    deadline = t0 + config.time_limit_s
+    timed = _Timed(tracer)
+    chain: Solution | BudgetError | None = None
+    traced = 0
+    if not milp_first:
+        chain, traced = _chain(problem, timed, budget_bytes, config, deadline, uniform)
+    milp = _milp(problem, timed, budget_bytes, config, deadline)
+    if milp_first:
+        n_opts = menus_of(problem)[2]
+        if timed.estimate(n_opts) <= deadline - time.perf_counter():
+            chain, traced = _chain(problem, timed, budget_bytes, config, deadline, uniform)
+        elif config.progress:
+            config.progress(
+                f"native: the chain DP's {n_opts} traces (~{timed.estimate(n_opts):.0f} s) do not "
+                "fit in the time left: not run"
+            )
+    return _cheaper(chain, milp, traced, f"{time.perf_counter() - t0:.1f} s")
+
+
+class OutOfTime(Exception):
+    """A pass that runs the MILP first found no plan with it, and had no time for the chain
+    DP (the first pass's plan stands)."""
+
+
+class _Timed:
+    """A tracer that remembers how long its traces took (to tell whether more fit)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.took: list[float] = []
+
+    def __call__(self, policies: Sequence[Policy], schedule: bool = True) -> StepTrace:
+        t = time.perf_counter()
+        trace = self.tracer(policies, schedule)
+        self.took.append(time.perf_counter() - t)
+        return trace
+
+    def estimate(self, n: int) -> float:
+        """Seconds ``n`` more traces take (0 before the first)."""
+        return n * sum(self.took) / len(self.took) if self.took else 0.0
+
+
+def _milp(
+    problem: NativeProblem, tracer: Tracer, budget_bytes: int, config: SolverConfig, deadline: float
+) -> Solution | None:
+    """The exact MILP's traced plan with the time left, or None (none fits, no time, or a
+    dataflow beyond its model)."""
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return None
     progress = config.progress or (lambda _: None)
-    chain, traced = _chain(problem, tracer, budget_bytes, config, t0 + config.time_limit_s, uniform)
-    milp: Solution | None = None
-    left = t0 + config.time_limit_s - time.perf_counter()
-    if left > 0:
-        progress("native: the exact MILP on the step's dataflow (sac executor)")
-        milp_config = dataclasses.replace(config, time_limit_s=left)
-        try:
-            milp = planned(problem, tracer, "exact", budget_bytes=budget_bytes, config=milp_config)
-        except BudgetError:
-            pass
-        except SecondCopyError as e:
-            progress(f"native: the step's dataflow is beyond the MILP's model ({e}): chain DP only")
-    took = f"{time.perf_counter() - t0:.1f} s"
-    if isinstance(chain, BudgetError):
+    progress("native: the exact MILP on the step's dataflow (sac executor)")
+    milp_config = dataclasses.replace(config, time_limit_s=left)
+    try:
+        return planned(problem, tracer, "exact", budget_bytes=budget_bytes, config=milp_config)
+    except BudgetError:
+        return None
+    except SecondCopyError as e:
+        progress(f"native: the step's dataflow is beyond the MILP's model ({e}): chain DP only")
+        return None
+
+
+def _cheaper(
+    chain: Solution | BudgetError | None, milp: Solution | None, traced: int, took: str
+) -> Solution:
+    """The cheaper of the chain DP's and the MILP's traced plans (the chain DP's on a tie),
+    its reason saying what the other gave."""
+    if not isinstance(chain, Solution):
         if milp is None:
+            if chain is None:
+                raise OutOfTime("neither the exact MILP nor the chain DP found a plan in the time")
             raise chain
-        return dataclasses.replace(
-            milp, solver="auto", reason=f"{milp.reason}; no chain DP plan fits; {took}"
-        )
+        no_chain = "no chain DP plan fits" if chain is not None else "the chain DP did not run"
+        return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {no_chain}; {took}")
     if milp is None or _cost(milp) >= _cost(chain):
         also = (
             f"; the exact MILP's plan was not cheaper ({_ms(milp)} against {_ms(chain)} of "

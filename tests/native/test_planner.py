@@ -4,6 +4,7 @@ recomputes more than a plan already traced that fits), and skipping them leaves 
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import remat
 from remat.graph.profiles import get_profile
 from remat.models import TinyGPT
 from remat.native import planner
@@ -21,6 +23,7 @@ from remat.native.trace import StepTrace
 from remat.request import Request
 from remat.solver.chain import chain_time
 from remat.solver.config import SolverConfig
+from tests.zoo import llama
 
 LAYERS = 5
 
@@ -89,3 +92,55 @@ def test_skipping_choices_costlier_than_a_fitting_plan_leaves_the_answer(
         assert traced <= traced_all
         skipped += traced_all - traced
     assert skipped > 0
+
+
+def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time(
+    analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``milp_first`` (the finer pass of ``remat.apply``): with time for both, the plan is
+    the one of the chain DP first; where the chain DP's traces do not fit in the time left,
+    the MILP's plan stands, and with neither a plan, :class:`planner.OutOfTime`."""
+    problem, tracer, _ = analyzed
+    least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
+    budget = (least + problem.baseline.peak_bytes) // 2
+    config = SolverConfig(time_limit_s=30)
+    first = planner.solve(problem, tracer, budget_bytes=budget, config=config)
+    milp_first = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+    assert milp_first.policies == first.policies
+    assert milp_first.trace.recompute_time_s == first.trace.recompute_time_s  # estimated
+    seen: list[str] = []
+    config = SolverConfig(time_limit_s=30, progress=seen.append)
+    monkeypatch.setattr(planner._Timed, "estimate", lambda self, n: math.inf)
+    alone = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+    assert "the chain DP did not run" in alone.reason
+    assert any("do not fit in the time left: not run" in line for line in seen)
+    assert alone.trace.peak_bytes <= budget
+    monkeypatch.setattr(planner, "_milp", lambda *args: None)
+    with pytest.raises(planner.OutOfTime):
+        planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+
+
+def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``remat.apply``'s time limit covers both passes: the sub-modules' pass is given what
+    the blocks' left, and runs the MILP first."""
+    calls: list[tuple[float, bool]] = []
+    solve = planner.solve
+
+    def spy(*args: Any, **kwargs: Any) -> planner.Solution:
+        calls.append((kwargs["config"].time_limit_s, kwargs["milp_first"]))
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "solve", spy)
+    torch.manual_seed(0)
+    model = llama(3, 64).train()  # its blocks split into attention, MLP and norms
+    args = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
+    least, most = (
+        remat.plan_of(remat.apply(copy.deepcopy(model), args, plan=p)).predicted_peak_bytes
+        for p in ("block", "keep_all")
+    )
+    budget = (least + most) // 2
+    calls.clear()
+    remat.apply(model, args, activation_budget_bytes=budget, time_limit_s=40)
+    (blocks, first), (finer, second) = calls
+    assert blocks == 40 and not first
+    assert 0 < finer < 40 and second
