@@ -5,13 +5,15 @@ on shallow copies (:mod:`remat.native.shallow`) against traced on the whole mode
 
 Llama-7B (32 blocks), seq 4096, batch 1, built on FakeTensors; FSDP2 over 8 ranks with its own
 bf16 mixed precision (``precision="bf16-fsdp"``), the ``h100`` profile, AdamW; ``solver="auto"``
-(the chain DP, then the exact MILP on the step's dataflow with the time left). Each
+(the chain DP, then the exact MILP on the step's dataflow; then, with the time left, the
+same on the blocks' sub-modules, MILP first). Each
 configuration runs in a fresh child process, one after the other; ``whole`` is the same run
 with the copies turned off (``MIN_REGIONS`` raised past the model's regions: the uniform
 plans, and what the modules outside the blocks hold, measured on the model). Per
 run: seconds to the end of the analysis (the eager traces), to the chain DP's answer, and in
 all; plans traced on the model; the chain DP's recompute (estimated, roofline) and the final
-plan's, its predicted peak, and which solver's plan it is. Writes
+plan's, its predicted peak, which solver's plan it is and on which regions (the chain DP's
+columns are empty where the sub-modules' plan won without its chain DP). Writes
 ``experiments/results/native_scale.csv``.
 """
 
@@ -78,7 +80,8 @@ def _run(budget_gb: float, copies: bool, time_limit: float) -> dict[str, Any]:
         "chain_recompute_ms": float(chain_ms.group(1)) if chain_ms else "",
         "plan_recompute_ms": round(sum(state.block_recompute_s) * 1e3, 3),
         "predicted_peak_bytes": state.plan.predicted_peak_bytes,
-        "solver": "MILP" if reason.startswith("MILP") else "chain DP",
+        "solver": "MILP" if re.match(r"(regions: [^;]*; )?MILP", reason) else "chain DP",
+        "regions": "sub-modules" if reason.startswith("regions: ") else "blocks",
     }
 
 
