@@ -11,12 +11,13 @@ With one binary ``s[v]`` per candidate the memory at every moment is linear:
 and the objective, recompute time, is ``sum time[v] * (1 - s[v])``. A 7B model has tens of
 thousands of moments, so rows are added lazily: the model starts from the moments where the
 most could be held, each solution is evaluated at every moment (difference arrays), and every
-violated moment joins until none is; of the moments between two ends of lifetimes, which hold
-the same candidates, only the one of most base bytes is written. Within a row, a region's candidates that are all
-held whole enter through one variable per region. The model is only as exact as the
-lifetimes (the executor's simulation of the plan that keeps nothing); :func:`solve_spans`
-simulates its plan, and if that is over the budget, solves again for a budget smaller by the
-excess.
+violated moment joins until none is; of the moments between two ends of lifetimes, which
+hold the same candidates, only the one of most base bytes is written. Within a row, a
+region's candidates that are all held whole enter through one variable per region. The
+model is only as exact as the lifetimes (the executor's simulation of the plan that keeps
+nothing); :func:`solve_spans` simulates its plan, and if that is over the budget, solves
+again for a budget smaller by the excess. The rounds before one's plan fits are solved to a
+looser gap (:data:`SCOUT_GAP`), that one again to :data:`GAP`.
 """
 
 from __future__ import annotations
