@@ -387,18 +387,24 @@ def _plan(
     regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
     place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
     that fits wins. The request's time limit covers both passes: the finer one has the time
-    the first left, runs the exact MILP first and the chain DP only where its traces fit
-    (where the first found no plan, the finer one has the whole limit again). Tracing and
+    the first left, where that covers what the first's analysis and MILP took, and runs the
+    exact MILP first and the chain DP only where its traces fit (where the first found no
+    plan, the finer one has the whole limit again). Tracing and
     the MILP's lifetimes do not stop at the limit, so a call can run over it by a few
     traces. Fixed plans are the blocks'."""
     plan = req.plan
+    analysis_s = 0.0  # the model's own analysis (a copy's is cheaper)
 
     def on(
         regions_: tuple[str, ...], of: nn.Module = model, units: tuple[str, ...] = blocks
     ) -> Analyzed:
+        nonlocal analysis_s
+        t = time.perf_counter()
         traced, problem = analyze(
             of, regions_, args, kwargs, req, profile, fsdp_units=units, stage=stage
         )
+        if of is model:
+            analysis_s = time.perf_counter() - t
         uniform = None
         if stage is None and not traced.fake.real:  # a stack of blocks, else None
             uniform = uniform_costs(of, regions_, units, args, kwargs, req, profile)
@@ -460,10 +466,14 @@ def _plan(
     if best is not None and best[1].trace.recompute_time_s == 0:
         return best
     left = config.time_limit_s - (time.perf_counter() - t0)
-    if best is not None and left <= 0:
+    # The finer pass analyzes the step again and runs the MILP on a finer dataflow: at least
+    # what those took on the blocks.
+    need = analysis_s + (best[1].milp_s if best is not None else 0.0)
+    if best is not None and left < need:
         progress(
-            f"native: the time limit ({config.time_limit_s:g} s) is spent on the blocks: their "
-            "sub-modules are not planned (a longer time limit plans them too)"
+            f"native: the time left ({max(left, 0):.0f} s of {config.time_limit_s:g}) is less "
+            f"than the blocks' analysis and MILP took ({need:.0f} s): their sub-modules are "
+            "not planned (a longer time limit plans them too)"
         )
         return best
     progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")

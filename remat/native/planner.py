@@ -244,6 +244,9 @@ class Solution:
     """What is proven about the plan (:class:`remat.solver.plan.Proof`)."""
     options: tuple[str, ...] = ()
     """Per block, the name of the menu option chosen (for reports)."""
+    milp_s: float = 0.0
+    """Seconds ``auto``'s exact MILP took in the pass that chose this plan, its traces
+    included (what a finer pass needs at least)."""
 
 
 class Tracer(Protocol):
@@ -336,7 +339,9 @@ def solve(
     traced = 0
     if not milp_first:
         chain, traced = _chain(problem, timed, budget_bytes, config, deadline, uniform)
+    t_milp = time.perf_counter()
     milp = _milp(problem, timed, budget_bytes, config, deadline)
+    milp_s = time.perf_counter() - t_milp
     if milp_first:
         n_opts = menus_of(problem)[2]
         if timed.estimate(n_opts) <= deadline - time.perf_counter():
@@ -346,7 +351,8 @@ def solve(
                 f"native: the chain DP's {n_opts} traces (~{timed.estimate(n_opts):.0f} s) do not "
                 "fit in the time left: not run"
             )
-    return _cheaper(chain, milp, traced, f"{time.perf_counter() - t0:.1f} s")
+    chosen = _cheaper(chain, milp, traced, f"{time.perf_counter() - t0:.1f} s")
+    return dataclasses.replace(chosen, milp_s=milp_s)
 
 
 class OutOfTime(Exception):

@@ -5,6 +5,7 @@ recomputes more than a plan already traced that fits), and skipping them leaves 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -122,7 +123,8 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time
 
 def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.MonkeyPatch) -> None:
     """``remat.apply``'s time limit covers both passes: the sub-modules' pass is given what
-    the blocks' left, and runs the MILP first."""
+    the blocks' left, and runs the MILP first; it is skipped where that is less than the
+    blocks' analysis and MILP took."""
     calls: list[tuple[float, bool]] = []
     solve = planner.solve
 
@@ -140,7 +142,17 @@ def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.Mon
     )
     budget = (least + most) // 2
     calls.clear()
-    remat.apply(model, args, activation_budget_bytes=budget, time_limit_s=40)
+    remat.apply(copy.deepcopy(model), args, activation_budget_bytes=budget, time_limit_s=40)
     (blocks, first), (finer, second) = calls
     assert blocks == 40 and not first
     assert 0 < finer < 40 and second
+
+    def slow(*args: Any, **kwargs: Any) -> planner.Solution:  # a MILP that took 40 s
+        return dataclasses.replace(spy(*args, **kwargs), milp_s=40.0)
+
+    monkeypatch.setattr(planner, "solve", slow)
+    calls.clear()
+    seen: list[str] = []
+    remat.apply(model, args, activation_budget_bytes=budget, time_limit_s=40, progress=seen.append)
+    assert len(calls) == 1
+    assert any("their sub-modules are not planned" in line for line in seen)
