@@ -27,10 +27,12 @@ name.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from remat.problem import Problem, Role
 from remat.solver.schedule import InvalidPlanError, Schedule, build_schedule
@@ -104,6 +106,28 @@ NO_CHECKPOINT = "<no checkpoint>"
 without checkpoint (eagerly: autograd keeps what the region's backward reads)."""
 
 
+_T = TypeVar("_T")
+
+
+def _per_problem(fn: Callable[[Problem], _T]) -> Callable[[Problem], _T]:
+    """``fn`` computed once per problem object (held weakly): the lifetimes ask for the same
+    regions and candidates once per region (a 7B model's 129 regions)."""
+    cache: dict[int, tuple[weakref.ref[Problem], _T]] = {}
+
+    @functools.wraps(fn)
+    def cached(problem: Problem) -> _T:
+        key = id(problem)
+        hit = cache.get(key)
+        if hit is not None and hit[0]() is problem:
+            return hit[1]
+        value = fn(problem)
+        cache[key] = (weakref.ref(problem, lambda _: cache.pop(key, None)), value)
+        return value
+
+    return cached
+
+
+@_per_problem
 def _sac_candidates(problem: Problem) -> frozenset[str]:
     return frozenset(
         v.name
@@ -127,6 +151,7 @@ class _Regions:
     """Values of the region its own backward ops read."""
 
 
+@_per_problem
 def _regions(problem: Problem) -> _Regions:
     by_name = problem.by_name
     values: dict[str, list[str]] = defaultdict(list)
@@ -155,11 +180,17 @@ def _regions(problem: Problem) -> _Regions:
     )
 
 
+@_per_problem
+def _creators(problem: Problem) -> dict[str, str]:
+    """Storage -> the value that allocates it."""
+    return {s: v.name for v in problem.values for s in v.allocates}
+
+
 def _sac_keep(problem: Problem, saved: Iterable[str]) -> frozenset[str]:
     """``saved`` as SAC can keep it: a view stands for the storage it shares (its creator is
     kept), values SAC cannot keep are recomputed, the ops that must never re-run are kept."""
     candidates = _sac_candidates(problem)
-    creator = {s: v.name for v in problem.values for s in v.allocates}
+    creator = _creators(problem)
     keep: set[str] = set()
     for name in saved:
         if name not in problem.by_name:
@@ -307,13 +338,14 @@ def _gaps(
 
 
 def _difference(
-    timeline: Sequence[TimelineStep], nothing: Sequence[TimelineStep]
+    timeline: Sequence[TimelineStep],
+    nothing: Sequence[TimelineStep],
+    at: Mapping[tuple[str, str, bool], int],
 ) -> tuple[tuple[int, int, int], ...]:
     """``timeline`` minus ``nothing``, moment by moment of ``nothing``, as ``(bytes, first,
     last)`` runs. A step of ``timeline`` that ``nothing`` does not run counts at the moment
     of its last common step before it; a moment only ``nothing`` runs (a replay) takes the
-    other plan's next common step."""
-    at = {(s.phase, s.name, s.recompute): i for i, s in enumerate(nothing)}
+    other plan's next common step. ``at``: each step of ``nothing`` by its key."""
     other: dict[int, int] = {}
     moment = 0
     for step in timeline:
@@ -352,6 +384,7 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
     replays: dict[str, list[str]] = defaultdict(list)
     for n in nothing.recomputed:
         replays[by_name[n].region].append(n)
+    at = {(s.phase, s.name, s.recompute): i for i, s in enumerate(sim.timeline)}
     out: list[Lifetime] = []
     for name in sorted(_sac_candidates(problem) - forced, key=problem.index.__getitem__):
         v = by_name[name]
@@ -360,7 +393,7 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
         if v.op == NO_CHECKPOINT:
             alone = simulate(problem, _sac_schedule(problem, frozenset({name})))
             replay_time = sum(by_name[n].time_s for n in regions.values[v.region] if n in again)
-            difference = _difference(alone.timeline, sim.timeline)
+            difference = _difference(alone.timeline, sim.timeline, at)
             out.append(Lifetime(name, replay_time, difference, v.region, whole_group=True))
             continue
         pieces: list[tuple[int, int, int]] = []
@@ -379,19 +412,9 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
     return Lifetimes(base, tuple(out), forced)
 
 
-_LIFETIMES: dict[int, tuple[weakref.ref[Problem], Lifetimes]] = {}
-
-
-def _sac_lifetimes_cached(problem: Problem) -> Lifetimes:
-    """Lifetimes once per problem (a 7B model's take seconds; the native planner asks for
-    them at every budget it re-solves for)."""
-    key = id(problem)
-    hit = _LIFETIMES.get(key)
-    if hit is not None and hit[0]() is problem:
-        return hit[1]
-    lifetimes = _sac_lifetimes(problem)
-    _LIFETIMES[key] = (weakref.ref(problem, lambda _: _LIFETIMES.pop(key, None)), lifetimes)
-    return lifetimes
+_sac_lifetimes_cached = _per_problem(_sac_lifetimes)
+"""Lifetimes once per problem (a 7B model's take seconds; the native planner asks for them at
+every budget it re-solves for)."""
 
 
 SAC = ExecutorModel("sac", _sac_candidates, _sac_schedule, _sac_lifetimes_cached, _sac_kept)
