@@ -87,17 +87,21 @@ class _Memory:
         self.intervals: dict[str, list[tuple[int, int]]] | None = None
 
     def hold(self, name: str) -> None:
+        holders = self.holders
         for s in self.problem.by_name[name].storages:
-            if self.holders[s] == 0:
+            n = holders[s]
+            if n == 0:
                 self.live += self.problem.storage_bytes[s]
                 self.opened[s] = len(self.timeline)
-            self.holders[s] += 1
+            holders[s] = n + 1
 
     def drop(self, name: str) -> None:
+        holders = self.holders
         for s in self.problem.by_name[name].storages:
-            self.holders[s] -= 1
-            assert self.holders[s] >= 0, f"storage {s} of {name} dropped twice"
-            if self.holders[s] == 0:
+            n = holders[s] - 1
+            assert n >= 0, f"storage {s} of {name} dropped twice"
+            holders[s] = n
+            if n == 0:
                 self.live -= self.problem.storage_bytes[s]
                 if self.intervals is not None:
                     # Counted in the current step's allocated bytes (freed after it).
@@ -128,10 +132,11 @@ def _run_graph(
     after ``held_until[input]`` if the executor holds it longer.
     """
     problem = mem.problem
+    by_name = problem.by_name
     outputs = set(outputs)
     last_use: dict[str, int] = {}
     for k, name in enumerate(ops):
-        for i in problem.by_name[name].inputs:
+        for i in by_name[name].inputs:
             last_use[i] = k
     if held_until:
         at = {name: k for k, name in enumerate(ops)}
@@ -144,17 +149,19 @@ def _run_graph(
     for k, name in enumerate(ops):
         if name not in last_use and name not in outputs:
             frees.setdefault(k, []).append(name)
+    hold, drop, record, no_frees = mem.hold, mem.drop, mem.record, ()
     for k, name in enumerate(ops):
-        if name in recomputed:
+        again = name in recomputed
+        if again:
             # build_schedule saves such an op instead: its storage cannot be named twice.
-            held = [s for s in problem.by_name[name].allocates if mem.holders[s]]
+            held = [s for s in by_name[name].allocates if mem.holders[s]]
             if held:
                 raise SecondCopyError(f"recomputing {name} would copy storages still held: {held}")
-        mem.hold(name)
+        hold(name)
         allocated = mem.live
-        for dead in frees.get(k, ()):
-            mem.drop(dead)
-        mem.record(phase, name, allocated, name in recomputed, problem.by_name[name].scratch_bytes)
+        for dead in frees.get(k, no_frees):
+            drop(dead)
+        record(phase, name, allocated, again, by_name[name].scratch_bytes)
 
 
 class SecondCopyError(ValueError):
