@@ -345,7 +345,9 @@ def solve(
     if milp_first:
         n_opts = menus_of(problem)[2]
         if timed.estimate(n_opts) <= deadline - time.perf_counter():
-            chain, traced = _chain(problem, timed, budget_bytes, config, deadline, uniform)
+            chain, traced = _chain(
+                problem, timed, budget_bytes, config, deadline, uniform, abandon=True
+            )
         elif config.progress:
             config.progress(
                 f"native: the chain DP's {n_opts} traces (~{timed.estimate(n_opts):.0f} s) do not "
@@ -374,8 +376,9 @@ class _Timed:
         return trace
 
     def estimate(self, n: int) -> float:
-        """Seconds ``n`` more traces take (0 before the first)."""
-        return n * sum(self.took) / len(self.took) if self.took else 0.0
+        """Seconds ``n`` more traces take at least (0 before the first): the fastest so far
+        (a plan that recomputes more traces longer); the caller gives up once it is late."""
+        return n * min(self.took, default=0.0)
 
 
 def _milp(
@@ -437,9 +440,11 @@ def _chain(
     config: SolverConfig,
     deadline: float,
     uniform: UniformCosts | None = None,
-) -> tuple[Solution | BudgetError, int]:
+    abandon: bool = False,
+) -> tuple[Solution | BudgetError | None, int]:
     """The chain DP's cheapest traced plan that fits (or the error saying none does), and
-    how many plans it traced."""
+    how many plans it traced. ``abandon``: None where the deadline passes before its costs
+    are traced (a second solver's run, the first's plan in hand)."""
     t0 = time.perf_counter()
     n = len(problem.blocks)
     options_of, n_classes, n_opts = menus_of(problem)
@@ -463,7 +468,12 @@ def _chain(
         least = min(peak for _, peak in shallow)
     elif schedule is None:
         progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
-        traces = [run([o] * n) for o in range(n_opts)]
+        traces = []
+        for o in range(n_opts):
+            if abandon and time.perf_counter() > deadline:
+                progress("native: the time limit came before the chain DP's costs: not run")
+                return None, len(found) - 1
+            traces.append(run([o] * n))
         table = [costs(t) for t in traces]
         least = min(t.peak_bytes for t in traces)
     else:

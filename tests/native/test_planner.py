@@ -100,7 +100,8 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time
 ) -> None:
     """``milp_first`` (the finer pass of ``remat.apply``): with time for both, the plan is
     the one of the chain DP first; where the chain DP's traces do not fit in the time left,
-    the MILP's plan stands, and with neither a plan, :class:`planner.OutOfTime`."""
+    or the limit passes while it traces its costs, the MILP's plan stands, and with neither a
+    plan, :class:`planner.OutOfTime`."""
     problem, tracer, _ = analyzed
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
@@ -116,6 +117,11 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time
     assert "the chain DP did not run" in alone.reason
     assert any("do not fit in the time left: not run" in line for line in seen)
     assert alone.trace.peak_bytes <= budget
+    # Started (the estimate is a lower bound), the chain DP gives up once the limit passes.
+    seen.clear()
+    late = planner._chain(problem, tracer, budget, config, -math.inf, abandon=True)
+    assert late == (None, 0)
+    assert seen[-1] == "native: the time limit came before the chain DP's costs: not run"
     monkeypatch.setattr(planner, "_milp", lambda *args: None)
     with pytest.raises(planner.OutOfTime):
         planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
