@@ -389,9 +389,9 @@ def _plan(
     that fits wins. The request's time limit covers both passes: the finer one has the time
     the first left, where that covers what the first's analysis and MILP took, and runs the
     exact MILP first and the chain DP only where its traces fit (where the first found no
-    plan, the finer one has the whole limit again). Tracing and
-    the MILP's lifetimes do not stop at the limit, so a call can run over it by a few
-    traces. Fixed plans are the blocks'."""
+    plan, the finer one has the whole limit again). Tracing and the MILP's lifetimes do not
+    stop at the limit, so a call can run over it by a few traces. Fixed plans are the
+    blocks'."""
     plan = req.plan
     analysis_s = 0.0  # the model's own analysis (a copy's is cheaper)
 

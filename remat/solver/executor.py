@@ -111,7 +111,8 @@ _T = TypeVar("_T")
 
 def _per_problem(fn: Callable[[Problem], _T]) -> Callable[[Problem], _T]:
     """``fn`` computed once per problem object (held weakly): the lifetimes ask for the same
-    regions and candidates once per region (a 7B model's 129 regions)."""
+    regions and candidates once per region (a 7B model's 129 regions). Callers must not
+    mutate what it returns."""
     cache: dict[int, tuple[weakref.ref[Problem], _T]] = {}
 
     @functools.wraps(fn)
@@ -181,7 +182,7 @@ def _regions(problem: Problem) -> _Regions:
 
 
 @_per_problem
-def _creators(problem: Problem) -> dict[str, str]:
+def _creators(problem: Problem) -> Mapping[str, str]:
     """Storage -> the value that allocates it."""
     return {s: v.name for v in problem.values for s in v.allocates}
 
