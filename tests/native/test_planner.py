@@ -1,6 +1,7 @@
-"""The chain DP's search in :mod:`remat.native.planner`: a stitched plan's traced recompute
-is the DP's sum of per-block recompute (what lets the search skip tracing a choice that
-recomputes more than a plan already traced that fits), and skipping them leaves the answer."""
+"""The search in :mod:`remat.native.planner`: a stitched plan's traced recompute is the chain
+DP's sum of per-block recompute (what lets the search skip tracing a choice that recomputes
+more than a plan already traced that fits), and skipping them leaves the answer; the MILP
+first in a second pass, and ``remat.apply``'s time limit shared by its two passes."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ LAYERS = 5
 @pytest.fixture(scope="module")
 def analyzed() -> tuple[Any, ...]:
     """A 5-block TinyGPT, ZeRO-3 over 4 fake ranks (the blocks at the ends differ from the
-    middle ones), its analysis, and a tracer that counts the plans it traced."""
+    middle ones), its analysis, and a tracer that traces each plan once (the tests share
+    them)."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=128, dim=64, heads=4, layers=LAYERS, seq=32).train()
     args = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
