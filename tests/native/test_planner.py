@@ -142,7 +142,7 @@ def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(planner, "solve", spy)
     torch.manual_seed(0)
-    model = llama(3, 64).train()  # its blocks split into attention, MLP and norms
+    model = llama(2).train()  # its blocks split into attention, MLP and norms
     args = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
     least, most = (
         remat.plan_of(remat.apply(copy.deepcopy(model), args, plan=p)).predicted_peak_bytes
