@@ -217,6 +217,7 @@ def test_spans_rounds_scout_to_a_loose_gap_then_polish_the_round_that_fits(
     assert polish[:3] == (scouts[-1][0], spans.GAP, scouts[-1][3])
     monkeypatch.setattr(spans, "SCOUT_GAP", spans.GAP)
     tight = spans.solve_spans(problem, budget_bytes=budget, config=SolverConfig())
+    # The problem's op times (its values' time_s), not a clock.
     assert plan.recompute_time_s <= tight.recompute_time_s * (1 + spans.GAP) + 1e-15
 
 
