@@ -15,7 +15,6 @@ falls (the op and whether it is inside a block). Writes ``experiments/results/le
 
 from __future__ import annotations
 
-import csv
 import sys
 from pathlib import Path
 
@@ -23,9 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
+from experiments.rows import save, show  # noqa: E402
 from remat.graph.profiles import get_profile  # noqa: E402
 from remat.native.api import analyze as native_analyze  # noqa: E402
 from remat.native.api import kv_cache_off  # noqa: E402
@@ -78,18 +75,8 @@ def main() -> None:
                 "native_peak_at": f"{at.phase} {at.op} ({where})",
             }
         )
-    table = Table(title="least peak per executor (allocator, fp32, CPU profile)")
-    for col in rows[0]:
-        table.add_column(col)
-    for r in rows:
-        table.add_row(*(str(v) for v in r.values()))
-    Console(width=160).print(table)
-    out = Path(__file__).parent / "results" / "least_peaks.csv"
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {out}")
+    show(rows, "least peak per executor (allocator, fp32, CPU profile)")
+    print(f"wrote {save(rows, 'least_peaks.csv')}")
 
 
 if __name__ == "__main__":

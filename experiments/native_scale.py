@@ -20,17 +20,16 @@ columns are empty where the sub-modules' plan won without its chain DP). Writes
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing as mp
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RESULTS = Path(__file__).parent / "results"
+from experiments.rows import save, show  # noqa: E402
 
 
 def _run(budget_gb: float, copies: bool, time_limit: float) -> dict[str, Any]:
@@ -103,17 +102,8 @@ def main() -> None:
             p.start()
             rows.append(queue.get())
             p.join()
-    table = Table(title="remat.apply, Llama-7B, bf16-fsdp, ZeRO-3 x 8, seq 4096, h100")
-    for key in rows[0]:
-        table.add_column(key)
-    for row in rows:
-        table.add_row(*(str(v) for v in row.values()))
-    Console(width=200).print(table)
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "native_scale.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    show(rows, "remat.apply, Llama-7B, bf16-fsdp, ZeRO-3 x 8, seq 4096, h100", width=200)
+    save(rows, "native_scale.csv")
 
 
 if __name__ == "__main__":
