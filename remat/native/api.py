@@ -49,7 +49,7 @@ from remat.request import (
     request_of,
     resolve_profile,
 )
-from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.config import BudgetError
 from remat.solver.formula import FitError
 from remat.solver.plan import Plan
 from remat.solver.registry import solvers_for
@@ -350,10 +350,7 @@ def analyze(
             pipeline=stage.pipeline if stage is not None else None,
             target=stage.target if stage is not None else None,
         )
-        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
-        if fake.in_call_order(problem.baseline) != tuple(range(len(blocks))):
-            problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
-        return fake, problem
+        return fake, planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
 
     try:
         fake, problem = traced_on(real=False)
@@ -386,7 +383,7 @@ def _plan(
     (:func:`remat.native.regions.outside_blocks`; on the blocks alone where those cannot be
     regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
     place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
-    that fits wins. The request's time limit covers both passes: the finer one has the time
+    that fits wins. The request's time limit covers both passes, their analyses included: the finer one has the time
     the first left, where that covers what the first's analysis and MILP took, and runs the
     exact MILP first and the chain DP only where its traces fit (where the first found no
     plan, the finer one has the whole limit again). Tracing and the MILP's lifetimes do not
@@ -431,16 +428,18 @@ def _plan(
 
     def solved(
         regions_: tuple[str, ...],
+        deadline: float,
         analyzed: Analyzed | None = None,
-        config_: SolverConfig = config,
         milp_first: bool = False,
     ) -> tuple[planner.NativeProblem, planner.Solution]:
+        """The plan on ``regions_``, its analysis counted in the time until ``deadline``."""
         problem, tracer, uniform = analyzed or on(regions_)
+        left = max(deadline - time.perf_counter(), 0.0)
         return problem, planner.solve(
             problem,
             tracer,
             budget_bytes=step_budget,
-            config=config_,
+            config=replace(config, time_limit_s=left),
             solver=solver,
             uniform=uniform,
             milp_first=milp_first,
@@ -450,6 +449,7 @@ def _plan(
     error: BudgetError | None = None
     analyzed: Analyzed | None = None
     t0 = time.perf_counter()
+    deadline = t0 + config.time_limit_s
     try:
         if outside:
             outside, analyzed = _worth_a_region(on, model, blocks, outside, progress, stage)
@@ -457,7 +457,7 @@ def _plan(
         progress(f"native: the modules outside the blocks cannot be regions ({e})")
         outside = ()
     try:
-        best = solved(blocks + outside, analyzed)
+        best = solved(blocks + outside, deadline, analyzed)
     except BudgetError as e:
         error = e
     split = regions.split_blocks(model, blocks)
@@ -465,7 +465,7 @@ def _plan(
         return _best(best, error)
     if best is not None and best[1].trace.recompute_time_s == 0:
         return best
-    left = config.time_limit_s - (time.perf_counter() - t0)
+    left = deadline - time.perf_counter()
     # The finer pass analyzes the step again and runs the MILP on a finer dataflow: at least
     # what those took on the blocks.
     need = analysis_s + (best[1].milp_s if best is not None else 0.0)
@@ -482,9 +482,9 @@ def _plan(
         # finds the finer plans; the chain DP runs where its traces fit). Without one, it is
         # a second chance at any plan and has the whole time limit.
         finer, solution = (
-            solved(split + outside, None, replace(config, time_limit_s=left), True)
+            solved(split + outside, deadline, milp_first=True)
             if best is not None
-            else solved(split + outside)
+            else solved(split + outside, time.perf_counter() + config.time_limit_s)
         )
     except BudgetError as e:
         if error is None or e.least_peak_bytes < error.least_peak_bytes:

@@ -120,9 +120,14 @@ def analyze(
     profile: DeviceProfile,
     autocast: torch.dtype | None,
 ) -> NativeProblem:
+    """The step with every region eager, its regions put in the order their forwards run
+    (:meth:`FakeModel.in_call_order`: a chain's order, which the per-region costs read)."""
     baseline = fake.trace(
         args, kwargs, [None] * len(fake.blocks), profile=profile, autocast=autocast
     )
+    order = fake.in_call_order(baseline)
+    if order != tuple(range(len(order))):
+        baseline = baseline.renumbered(order)
     groups: dict[tuple[object, ...], list[int]] = {}
     streams: dict[int, tuple[OpEvent, ...]] = {}
     for k in range(len(fake.blocks)):

@@ -136,6 +136,26 @@ class StepTrace:
             if e.block == block and e.phase == "forward" and e.key is not None
         )
 
+    def renumbered(self, order: Sequence[int]) -> StepTrace:
+        """This trace with its region ``order[k]`` as region ``k`` (what
+        :meth:`FakeModel.in_call_order` does to the copy's regions): with every region eager
+        the step is the same whatever their numbers, so no second trace is needed."""
+        new = {old: k for k, old in enumerate(order)}
+
+        def renumber(events: Sequence[OpEvent]) -> tuple[OpEvent, ...]:
+            return tuple(e if e.block < 0 else replace(e, block=new[e.block]) for e in events)
+
+        schedule = self.schedule
+        if schedule is not None and schedule.events:
+            schedule = replace(schedule, events=renumber(schedule.events))
+        return replace(
+            self,
+            events=renumber(self.events),
+            blocks=tuple(self.blocks[b] for b in order),
+            forward_live=tuple(self.forward_live[b] for b in order),
+            schedule=schedule,
+        )
+
     @property
     def recompute_flops(self) -> int:
         return sum(e.flops for e in self.events if e.recompute)

@@ -114,3 +114,25 @@ def test_outside_regions_fit_below_every_plan_on_the_blocks(name: str, tmp_path:
     again = remat.apply(copy.deepcopy(model), args, example_kwargs=case.kwargs, plan=path)
     assert applied(again).blocks == state.blocks
     assert applied(again).policies == state.policies
+
+
+def test_regions_out_of_call_order_are_renumbered_as_a_trace_in_that_order_gives() -> None:
+    """Llama's sub-modules are declared attention, MLP, norms, and run norm, attention, norm,
+    MLP: the analysis renumbers its eager trace in call order rather than tracing again, and
+    gets what a trace of the reordered copy gives."""
+    from remat.native.trace import FakeModel
+
+    model = CASES["hf_llama_gqa"].build().train()
+    args = CASES["hf_llama_gqa"].inputs()
+    split = split_blocks(model, find_blocks(model))
+    profile = get_profile("cpu")
+    fake = FakeModel(model, split)
+    first = fake.trace(args, {}, [None] * len(split), profile=profile)
+    order = fake.in_call_order(first)
+    assert order != tuple(range(len(split)))
+    assert fake.blocks[:4] == tuple(
+        f"model.layers.0.{n}"
+        for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    )
+    again = fake.trace(args, {}, [None] * len(split), profile=profile)
+    assert first.renumbered(order) == again
