@@ -383,12 +383,13 @@ def _plan(
     (:func:`remat.native.regions.outside_blocks`; on the blocks alone where those cannot be
     regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
     place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
-    that fits wins. The request's time limit covers both passes, their analyses included: the finer one has the time
-    the first left, where that covers what the first's analysis and MILP took, and runs the
-    exact MILP first and the chain DP only where its traces fit (where the first found no
-    plan, the finer one has the whole limit again). Tracing and the MILP's lifetimes do not
-    stop at the limit, so a call can run over it by a few traces. Fixed plans are the
-    blocks'."""
+    that fits wins. The request's time limit covers both passes, their analyses included:
+    the finer one has the time the first left, where that covers what the first's analysis
+    and MILP took, and runs the exact MILP first and the chain DP only where its traces fit
+    and, where the MILP found a plan, take no longer than it did (:func:`planner.solve`;
+    where the first found no plan, the finer one has the whole limit again). Tracing and the
+    MILP's lifetimes do not stop at the limit, so a call can run over it by a few traces.
+    Fixed plans are the blocks'."""
     plan = req.plan
     analysis_s = 0.0  # the model's own analysis (a copy's is cheaper)
 
@@ -479,7 +480,7 @@ def _plan(
     progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
     try:
         # With the blocks' plan in hand, the finer pass has the time left, MILP first (it
-        # finds the finer plans; the chain DP runs where its traces fit). Without one, it is
+        # finds the finer plans; the chain DP is its fallback). Without one, it is
         # a second chance at any plan and has the whole time limit.
         finer, solution = (
             solved(split + outside, deadline, milp_first=True)

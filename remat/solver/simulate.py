@@ -24,7 +24,7 @@ what the allocator holds at its peak (:func:`remat.meter.allocator_peak_bytes`).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -162,6 +162,88 @@ def _run_graph(
         for dead in frees.get(k, no_frees):
             drop(dead)
         record(phase, name, allocated, again, by_name[name].scratch_bytes)
+
+
+def storage_steps(
+    problem: Problem,
+    schedule: Schedule,
+    storages: frozenset[str],
+    holders: Iterable[str],
+    backward_at: Mapping[str, int] | None = None,
+) -> list[tuple[int, int, int]]:
+    """``(step, allocated, live)``: the bytes of ``storages`` alone, as :func:`simulate`
+    counts them (scratch aside), at each step of the schedule's timeline where one of
+    ``holders`` (every value that references one of them) is held or dropped; between two
+    such steps they stay at the earlier's ``live``. Why: a change to a schedule that moves
+    the holds of a few storages changes the timeline by theirs alone, found without walking
+    every op. ``backward_at``: each backward op's step in another timeline, of which this
+    schedule's backward is a subsequence (the steps are then that timeline's)."""
+    by_name, users = problem.by_name, problem.users
+    names = set(holders)
+    before: dict[int, list[tuple[str, int]]] = defaultdict(list)  # (value, +1 hold / -1 drop)
+    after: dict[int, list[str]] = defaultdict(list)  # drops once the step has allocated
+
+    def graph(
+        at: Mapping[str, int], outputs: Iterable[str], held_until: Mapping[str, str] = {}
+    ) -> None:
+        outs = set(outputs)
+        for n in names:
+            if n in at:
+                before[at[n]].append((n, 1))
+            reads = [at[u] for u in users[n] if u in at]
+            if n in held_until:
+                reads.append(at[held_until[n]])
+            if n in outs:
+                continue
+            if reads:
+                after[max(reads)].append(n)
+            elif n in at:
+                after[at[n]].append(n)
+
+    fw_outputs = (*problem.user_outputs, *problem.mutation_outputs, *schedule.saved)
+    graph({n: k for k, n in enumerate(schedule.forward)}, fw_outputs)
+    runtime = len(schedule.forward)
+    for n in (*problem.user_outputs, *schedule.saved):
+        if n in names:
+            before[runtime].append((n, 1))
+    for n in dict.fromkeys(fw_outputs):
+        if n in names:
+            before[runtime].append((n, -1))
+    for v in problem.values:
+        if v.role is Role.TANGENT and v.name in names:
+            before[runtime + 1] += [(v.name, 1), (v.name, 1)]
+    offset = runtime + 2
+    at = (
+        {n: backward_at[n] for n in schedule.backward}
+        if backward_at is not None
+        else {n: k + offset for k, n in enumerate(schedule.backward)}
+    )
+    graph(
+        at,
+        problem.grad_outputs if problem.grads_held else (),
+        dict(schedule.held_until),
+    )
+    counts: Counter[str] = Counter()
+    live = 0
+    out: list[tuple[int, int, int]] = []
+
+    def change(name: str, by: int) -> None:
+        nonlocal live
+        for st in by_name[name].storages:
+            if st in storages:
+                n = counts[st]
+                counts[st] = n + by
+                if n == 0 or n + by == 0:
+                    live += by * problem.storage_bytes[st]
+
+    for step in sorted(before.keys() | after.keys()):
+        for name, by in before.get(step, ()):
+            change(name, by)
+        allocated = live
+        for name in after.get(step, ()):
+            change(name, -1)
+        out.append((step, allocated, live))
+    return out
 
 
 class SecondCopyError(ValueError):

@@ -104,25 +104,40 @@ def test_skipping_choices_costlier_than_a_fitting_plan_leaves_the_answer(
 def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time(
     analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``milp_first`` (the finer pass of ``remat.apply``): with time for both, the plan is
-    the one of the chain DP first; where the chain DP's traces do not fit in the time left,
-    or the limit passes while it traces its costs, the MILP's plan stands, and with neither a
-    plan, :class:`planner.OutOfTime`."""
+    """``milp_first`` (the finer pass of ``remat.apply``): where the chain DP's traces take
+    no longer than the MILP did, the plan is the one of the chain DP first; where they take
+    longer, or do not fit in the time left, or the limit passes while it traces its costs,
+    the MILP's plan stands; where the MILP found none, the chain DP runs however long its
+    traces take, as long as they fit; with neither a plan, :class:`planner.OutOfTime`. The
+    estimates are forced: the clock decides nothing here."""
     problem, tracer, _ = analyzed
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
     config = SolverConfig(time_limit_s=NO_LIMIT)
     first = planner.solve(problem, tracer, budget_bytes=budget, config=config)
+    monkeypatch.setattr(planner._Timed, "estimate", lambda self, n: 0.0)
     milp_first = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
     assert milp_first.policies == first.policies
     assert milp_first.trace.recompute_time_s == first.trace.recompute_time_s  # estimated
     seen: list[str] = []
     config = SolverConfig(time_limit_s=NO_LIMIT, progress=seen.append)
+    monkeypatch.setattr(planner._Timed, "estimate", lambda self, n: NO_LIMIT / 2)
+    alone = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+    assert "the chain DP did not run" in alone.reason
+    assert any("would take longer than the MILP whose plan stands" in line for line in seen)
+    assert alone.trace.peak_bytes <= budget
+    milp = planner._milp
+    monkeypatch.setattr(planner, "_milp", lambda *args: None)
+    fallback = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+    chain, _ = planner._chain(problem, tracer, budget, config, math.inf)
+    assert isinstance(chain, planner.Solution)
+    assert fallback.policies == chain.policies and fallback.reason.startswith("chain DP")
+    monkeypatch.setattr(planner, "_milp", milp)
+    seen.clear()
     monkeypatch.setattr(planner._Timed, "estimate", lambda self, n: math.inf)
     alone = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
     assert "the chain DP did not run" in alone.reason
     assert any("do not fit in the time left: not run" in line for line in seen)
-    assert alone.trace.peak_bytes <= budget
     # Started (the estimate is a lower bound), the chain DP gives up once the limit passes.
     seen.clear()
     late = planner._chain(problem, tracer, budget, config, -math.inf, abandon=True)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.problem import Problem, Role, Value
-from remat.solver import registry, spans
+from remat.solver import executor, registry, spans
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import NO_CHECKPOINT, SAC, Lifetimes, schedule_of
 from remat.solver.plan import Proof, make_plan
@@ -232,3 +232,16 @@ def test_each_moment_s_row_is_implied_by_its_representative_s(seed: int) -> None
         r = int(held.rep[m])
         assert held.at(m) == held.at(r)
         assert held.base[r] >= held.base[m]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_region_s_difference_falls_back_to_the_whole_simulation(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a region's schedule differs beyond its own storages, its difference comes from
+    simulating the whole step: the same lifetimes (the tests of the native dataflows compare
+    the two region by region)."""
+    problem = sac_chain(seed, regions=3, ops=4)
+    counted = executor._sac_lifetimes(problem)
+    monkeypatch.setattr(executor, "_eager_difference", lambda *args: None)
+    assert executor._sac_lifetimes(problem) == counted
