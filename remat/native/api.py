@@ -383,13 +383,13 @@ def _plan(
     (:func:`remat.native.regions.outside_blocks`; on the blocks alone where those cannot be
     regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
     place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
-    that fits wins. The request's time limit covers both passes, their analyses included:
-    the finer one has the time the first left, where that covers what the first's analysis
-    and MILP took, and runs the exact MILP first and the chain DP only where its traces fit
-    and, where the MILP found a plan, take no longer than it did (:func:`planner.solve`;
-    where the first found no plan, the finer one has the whole limit again). Tracing and the
-    MILP's lifetimes do not stop at the limit, so a call can run over it by a few traces.
-    Fixed plans are the blocks'."""
+    that fits wins. Each pass runs the exact MILP first, and the chain DP as its fallback or
+    as a second opinion where its traces are cheap (:func:`planner.solve`). The request's
+    time limit covers both passes, their analyses included: the finer one has the time the
+    first left, where that covers what the first's analysis and MILP took (where the first
+    found no plan, the finer one has the whole limit again). Tracing and the MILP's
+    lifetimes do not stop at the limit, so a call can run over it by a few traces. Fixed
+    plans are the blocks'."""
     plan = req.plan
     analysis_s = 0.0  # the model's own analysis (a copy's is cheaper)
 
@@ -431,9 +431,10 @@ def _plan(
         regions_: tuple[str, ...],
         deadline: float,
         analyzed: Analyzed | None = None,
-        milp_first: bool = False,
+        standing: bool = False,
     ) -> tuple[planner.NativeProblem, planner.Solution]:
-        """The plan on ``regions_``, its analysis counted in the time until ``deadline``."""
+        """The plan on ``regions_``, its analysis counted in the time until ``deadline``
+        (``standing``: a plan from the blocks' pass stands)."""
         problem, tracer, uniform = analyzed or on(regions_)
         left = max(deadline - time.perf_counter(), 0.0)
         return problem, planner.solve(
@@ -443,7 +444,8 @@ def _plan(
             config=replace(config, time_limit_s=left),
             solver=solver,
             uniform=uniform,
-            milp_first=milp_first,
+            milp_first=True,
+            standing=standing,
         )
 
     best: tuple[planner.NativeProblem, planner.Solution] | None = None
@@ -479,11 +481,10 @@ def _plan(
         return best
     progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
     try:
-        # With the blocks' plan in hand, the finer pass has the time left, MILP first (it
-        # finds the finer plans; the chain DP is its fallback). Without one, it is
-        # a second chance at any plan and has the whole time limit.
+        # With the blocks' plan in hand, the finer pass has the time left. Without one, it
+        # is a second chance at any plan and has the whole time limit.
         finer, solution = (
-            solved(split + outside, deadline, milp_first=True)
+            solved(split + outside, deadline, standing=True)
             if best is not None
             else solved(split + outside, time.perf_counter() + config.time_limit_s)
         )

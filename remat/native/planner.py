@@ -29,9 +29,11 @@
    :class:`remat.Problem` for the ``sac`` executor (:mod:`remat.native.dataflow`,
    :mod:`remat.solver.executor`), finer than the menus: any op of any block may be kept, and
    any block left without checkpoint. The MILP over its fixed lifetimes
-   (:mod:`remat.solver.spans`) plans on it with the time left; its plan is traced too, and
-   re-solved for less while the trace is over. ``auto`` returns the cheaper of the two
-   traced plans; ``solver=`` picks one of remat's solvers alone (:func:`planned`).
+   (:mod:`remat.solver.spans`) plans on it; its plan is traced too, and re-solved for less
+   while the trace is over. ``auto`` returns the cheaper of the two traced plans; with
+   ``milp_first`` (``remat.apply``) the MILP runs first and the chain DP is its fallback,
+   or a second opinion where its traces are cheap (:func:`solve`). ``solver=`` picks one of
+   remat's solvers alone (:func:`planned`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ GRID_POINTS = 6
 """Budgets between the least and the keep-all peaks the DP is also solved at."""
 DP_ROUNDS = 12
 """DP solves per budget, each for a smaller budget, until the traced plan fits."""
+SECOND_OPINION_S = 5.0
+"""Seconds of traces the chain DP may always take after the MILP found a plan (with
+``milp_first``): on models small enough for its traces to take less, it runs as well."""
 
 NATIVE_PLANS = ("keep_all", "keep_matmuls", "block")
 """Fixed native plans: every block eager; every block keeping its matmul and attention
@@ -320,17 +325,22 @@ def solve(
     solver: str = "auto",
     uniform: UniformCosts | None = None,
     milp_first: bool = False,
+    standing: bool = False,
 ) -> Solution:
     """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring).
     ``solver``: ``auto``, or one of remat's solvers, which plan on the step's dataflow for
     the ``sac`` executor (:func:`planned`). ``uniform``: the chain DP's uniform plans costed
     on shallow copies of a deep stack (:mod:`remat.native.shallow`), where it has one.
-    ``milp_first``: the exact MILP first, and the chain DP only where its traces fit in the
-    time left and, where the MILP found a plan, take no longer than the MILP did (a second
-    pass, whose first pass's plan stands if neither runs). Why: there the chain DP is the
-    MILP's fallback (a dataflow beyond its model, no plan in the time) and a second opinion
-    only where it is cheap; on a 7B Llama's sub-modules its 10 traces of the model took 27 s
-    to find 6.95 ms of recompute against the MILP's 1.68 ms, found in 5 s."""
+
+    ``milp_first``: the exact MILP first; the chain DP is then its fallback, and a second
+    opinion only where cheap: where the MILP found a plan, the chain DP runs only where its
+    traces fit in the time left and take no longer than the MILP did or than
+    :data:`SECOND_OPINION_S`. Why: on a 7B Llama at 40 GB the chain DP's traces took 13 s
+    (blocks) and 27 s (sub-modules) to find 7.79 and 6.95 ms of recompute, against the
+    MILPs' 5.35 and 1.68 ms found in 6 s each. Where the MILP found none, the chain DP
+    runs however long it takes, unless a plan ``standing`` from an earlier pass makes this
+    one optional: then only where its traces fit in the time left (:class:`OutOfTime`
+    where neither solver gives a plan)."""
     if solver != "auto":
         return planned(problem, tracer, solver, budget_bytes=budget_bytes, config=config)
     if budget_bytes is None:
@@ -355,13 +365,19 @@ def solve(
         n_opts = menus_of(problem)[2]
         estimate = timed.estimate(n_opts)
         why = ""
-        if estimate > deadline - time.perf_counter():
+        if (milp is not None or standing) and estimate > deadline - time.perf_counter():
             why = "do not fit in the time left"
-        elif milp is not None and estimate > milp_s:
+        elif milp is not None and estimate > max(milp_s, SECOND_OPINION_S):
             why = f"would take longer than the MILP whose plan stands ({milp_s:.0f} s)"
         if not why:
             chain, traced = _chain(
-                problem, timed, budget_bytes, config, deadline, uniform, abandon=True
+                problem,
+                timed,
+                budget_bytes,
+                config,
+                deadline,
+                uniform,
+                abandon=milp is not None or standing,
             )
         elif config.progress:
             config.progress(
@@ -372,8 +388,8 @@ def solve(
 
 
 class OutOfTime(Exception):
-    """A pass that runs the MILP first found no plan with it, and had no time for the chain
-    DP (the first pass's plan stands)."""
+    """A pass with a plan standing from an earlier one found no plan with the MILP, and had
+    no time for the chain DP (the earlier plan stands)."""
 
 
 class _Timed:

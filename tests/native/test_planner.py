@@ -104,12 +104,12 @@ def test_skipping_choices_costlier_than_a_fitting_plan_leaves_the_answer(
 def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time(
     analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``milp_first`` (the finer pass of ``remat.apply``): where the chain DP's traces take
-    no longer than the MILP did, the plan is the one of the chain DP first; where they take
-    longer, or do not fit in the time left, or the limit passes while it traces its costs,
-    the MILP's plan stands; where the MILP found none, the chain DP runs however long its
-    traces take, as long as they fit; with neither a plan, :class:`planner.OutOfTime`. The
-    estimates are forced: the clock decides nothing here."""
+    """``milp_first`` (``remat.apply``'s passes): where the chain DP's traces are cheap, the
+    plan is the one of the chain DP first; where they take longer than the MILP did, or do
+    not fit in the time left, or the limit passes while it traces its costs, the MILP's plan
+    stands; where the MILP found none, the chain DP's plan, however long it takes, unless an
+    earlier pass's plan stands (then :class:`planner.OutOfTime` where its traces do not
+    fit). The estimates are forced: the clock decides nothing here."""
     problem, tracer, _ = analyzed
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
@@ -143,20 +143,27 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time
     late = planner._chain(problem, tracer, budget, config, -math.inf, abandon=True)
     assert late == (None, 0)
     assert seen[-1] == "native: the time limit came before the chain DP's costs: not run"
+    # Without a plan from the MILP: the chain DP's, however long it takes, unless an
+    # earlier pass's plan stands.
     monkeypatch.setattr(planner, "_milp", lambda *args: None)
+    needed = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+    assert needed.policies == chain.policies
     with pytest.raises(planner.OutOfTime):
-        planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+        planner.solve(
+            problem, tracer, budget_bytes=budget, config=config, milp_first=True, standing=True
+        )
 
 
 def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``remat.apply``'s time limit covers both passes and their analyses: the sub-modules'
-    pass is given what the blocks' left, and runs the MILP first; it is skipped where that is less than the
-    blocks' analysis and MILP took."""
+    """``remat.apply``'s passes run the MILP first; its time limit covers both passes and
+    their analyses: the sub-modules' pass is given what the blocks' left, their plan
+    standing; it is skipped where that is less than the blocks' analysis and MILP took."""
     calls: list[tuple[float, bool]] = []
     solve = planner.solve
 
     def spy(*args: Any, **kwargs: Any) -> planner.Solution:
-        calls.append((kwargs["config"].time_limit_s, kwargs["milp_first"]))
+        assert kwargs["milp_first"]
+        calls.append((kwargs["config"].time_limit_s, kwargs["standing"]))
         return solve(*args, **kwargs)
 
     monkeypatch.setattr(planner, "solve", spy)
@@ -173,7 +180,7 @@ def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.Mon
     (blocks, first), (finer, second) = calls
     # The limit counts from the call, not from the end of each pass's analysis.
     assert blocks < NO_LIMIT and not first
-    assert 0 < finer < blocks and second  # what the first pass left
+    assert 0 < finer < blocks and second  # what the first pass left, its plan standing
 
     def slow(*args: Any, **kwargs: Any) -> planner.Solution:  # a MILP that took the limit
         return dataclasses.replace(spy(*args, **kwargs), milp_s=NO_LIMIT)
