@@ -402,7 +402,7 @@ def _eager_difference(
         or not set(alone.saved) ^ set(nothing.saved) <= own
         or any(
             alone.held_until.get(n) != nothing.held_until.get(n)
-            for n in _keys(alone, nothing) - own
+            for n in (alone.held_until.keys() | nothing.held_until.keys()) - own
         )
     ):
         return None
@@ -412,10 +412,6 @@ def _eager_difference(
     kept = storage_steps(problem, alone, storages, holders, backward_at=moment)
     replay_steps = sorted(moment[n] for n in replayed)
     return _pieces(base, kept, replay_steps, timeline)
-
-
-def _keys(a: Schedule, b: Schedule) -> set[str]:
-    return set(a.held_until) | set(b.held_until)
 
 
 def _pieces(
@@ -453,18 +449,18 @@ def _pieces(
         return out
 
     delta = [b - a for a, b in zip(level(base), level(kept), strict=True)]
-    runs: list[tuple[int, int, int]] = []  # (delta, first, last) at common steps
-    for i, p in enumerate(points[:-1]):
-        if p not in skipped:
-            runs.append((delta[i], p, points[i + 1] - 1))
-    for p in sorted(skipped, reverse=True):  # the next common step's bytes less this one's
-        nxt = next((r for r in runs if r[1] > p), None)
+    common = [  # (delta, first, last)
+        (delta[i], p, points[i + 1] - 1) for i, p in enumerate(points[:-1]) if p not in skipped
+    ]
+    replays = []
+    for p in skipped:  # the next common step's bytes less this one's
+        nxt = next((r for r in common if r[1] > p), None)
         following = (
             timeline[nxt[1]].allocated_bytes + nxt[0] if nxt else timeline[-1].allocated_bytes
         )
-        runs.append((following - timeline[p].allocated_bytes, p, p))
+        replays.append((following - timeline[p].allocated_bytes, p, p))
     pieces: list[tuple[int, int, int]] = []
-    for d, first, last in sorted(runs, key=lambda r: r[1]):
+    for d, first, last in sorted(common + replays, key=lambda r: r[1]):
         if pieces and pieces[-1][0] == d and pieces[-1][2] == first - 1:
             pieces[-1] = (d, pieces[-1][1], last)
         elif d:

@@ -184,9 +184,11 @@ def storage_steps(
     after: dict[int, list[str]] = defaultdict(list)  # drops once the step has allocated
 
     def graph(
-        at: Mapping[str, int], outputs: Iterable[str], held_until: Mapping[str, str] = {}
+        at: Mapping[str, int], outputs: Iterable[str], held_until: Mapping[str, str] | None = None
     ) -> None:
+        """:func:`_run_graph`'s holds and drops of ``names`` (``at``: each op's step)."""
         outs = set(outputs)
+        held_until = held_until or {}
         for n in names:
             if n in at:
                 before[at[n]].append((n, 1))
@@ -218,11 +220,7 @@ def storage_steps(
         if backward_at is not None
         else {n: k + offset for k, n in enumerate(schedule.backward)}
     )
-    graph(
-        at,
-        problem.grad_outputs if problem.grads_held else (),
-        dict(schedule.held_until),
-    )
+    graph(at, problem.grad_outputs if problem.grads_held else (), schedule.held_until)
     counts: Counter[str] = Counter()
     live = 0
     out: list[tuple[int, int, int]] = []
