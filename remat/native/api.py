@@ -329,11 +329,14 @@ def analyze(
     *,
     fsdp_units: tuple[str, ...] | None = None,
     stage: Stage | None = None,
+    reuse: FakeModel | None = None,
 ) -> tuple[Traced, planner.NativeProblem]:
     """The step with every region (``blocks``) eager, traced on a FakeTensor copy of
     ``model`` (sharded with FSDP2 for ``zero_stage=3`` over several ranks: ``fsdp_units``, by
     default the regions), or on a real copy of a CPU model whose step FakeTensors cannot run.
-    The regions are put in the order their forwards run. The model's KV cache must be off."""
+    ``reuse``: an earlier analysis's copy of ``model``, given other regions where its FSDP2
+    units are these (:meth:`FakeModel.with_regions`). The regions are put in the order their
+    forwards run. The model's KV cache must be off."""
     options = req.training
     precision = options.precision
     autocast, mp = AUTOCAST.get(precision), FSDP_PARAM_DTYPES.get(precision)
@@ -352,6 +355,10 @@ def analyze(
         )
         return fake, planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
 
+    if reuse is not None and reuse.units == (fsdp_units or blocks):
+        fake = reuse.with_regions(blocks)
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+        return Traced(fake, profile, autocast), problem
     try:
         fake, problem = traced_on(real=False)
     except TraceError as e:
@@ -392,17 +399,27 @@ def _plan(
     plans are the blocks'."""
     plan = req.plan
     analysis_s = 0.0  # the model's own analysis (a copy's is cheaper)
+    first: FakeModel | None = None  # the model's first copy, which a finer pass reuses
 
     def on(
         regions_: tuple[str, ...], of: nn.Module = model, units: tuple[str, ...] = blocks
     ) -> Analyzed:
-        nonlocal analysis_s
+        nonlocal analysis_s, first
         t = time.perf_counter()
         traced, problem = analyze(
-            of, regions_, args, kwargs, req, profile, fsdp_units=units, stage=stage
+            of,
+            regions_,
+            args,
+            kwargs,
+            req,
+            profile,
+            fsdp_units=units,
+            stage=stage,
+            reuse=first if of is model else None,
         )
-        if of is model:
+        if of is model and first is None:
             analysis_s = time.perf_counter() - t
+            first = traced.fake
         uniform = None
         if stage is None and not traced.fake.real:  # a stack of blocks, else None
             uniform = uniform_costs(of, regions_, units, args, kwargs, req, profile)

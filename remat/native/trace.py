@@ -545,6 +545,8 @@ class FakeModel:
             with tp_world.active() if tp_world is not None else contextlib.nullcontext():
                 self.module = tc.fake_copy(model, self.mode)
         self.blocks = tuple(blocks)
+        self.units = tuple(fsdp_units) if fsdp_units is not None else self.blocks
+        """The modules FSDP2 shards (with ``fsdp_world``)."""
         self._paths = {id(m): p for p, m in self.module.named_modules()}
         modules = dict(self.module.named_modules())
         self._blocks = [modules[p] for p in self.blocks]
@@ -646,6 +648,15 @@ class FakeModel:
             )
         with self.world.active() if self.world is not None else contextlib.nullcontext():
             tc.fully_shard_blocks(self.module, units, dp, self.mode, param_dtype, mesh, roots)
+
+    def with_regions(self, blocks: Sequence[str]) -> FakeModel:
+        """This copy, sharded and warmed up, with other regions (the blocks' sub-modules,
+        in the same FSDP2 units): a second pass without a second copy and warm-up step."""
+        other = copy.copy(self)
+        modules = dict(self.module.named_modules())
+        other.blocks = tuple(blocks)
+        other._blocks = [modules[p] for p in other.blocks]
+        return other
 
     def in_call_order(self, trace: StepTrace) -> tuple[int, ...]:
         """The permutation that sorts the regions by where their forward first ran in

@@ -136,3 +136,29 @@ def test_regions_out_of_call_order_are_renumbered_as_a_trace_in_that_order_gives
     )
     again = fake.trace(args, {}, [None] * len(split), profile=profile)
     assert first.renumbered(order) == again
+
+
+def test_a_finer_pass_reuses_the_blocks_copy_and_traces_what_a_fresh_copy_traces() -> None:
+    """The sub-modules' pass takes the blocks' FakeTensor copy, sharded by FSDP2 over the
+    blocks and warmed up, with the sub-modules as its regions: its steps are a fresh copy's
+    with those regions, eager and under a policy."""
+    from remat.native.trace import FakeModel
+
+    model = CASES["hf_llama_gqa"].build().train()
+    args = CASES["hf_llama_gqa"].inputs()
+    blocks = find_blocks(model)
+    split = split_blocks(model, blocks)
+    profile = get_profile("cpu")
+    with kv_cache_off(model):
+        first = FakeModel(model, blocks, fsdp_world=2, fsdp_units=blocks)
+        fresh = FakeModel(model, split, fsdp_world=2, fsdp_units=blocks)
+        first.trace(args, {}, [None] * len(blocks), profile=profile)
+        reused = first.with_regions(split)
+        assert reused.module is first.module and reused.blocks == split and first.blocks == blocks
+        for fake in (reused, fresh):
+            fake.in_call_order(fake.trace(args, {}, [None] * len(split), profile=profile))
+        assert reused.blocks == fresh.blocks
+        for policies in ([None] * len(split), [frozenset()] * len(split)):
+            assert reused.trace(args, {}, policies, profile=profile) == fresh.trace(
+                args, {}, policies, profile=profile
+            )
