@@ -382,23 +382,25 @@ def _eager_difference(
     nothing: Schedule,
     timeline: Sequence[TimelineStep],
     moment: Mapping[str, int],
+    replayed: Iterable[str],
 ) -> tuple[tuple[int, int, int], ...] | None:
     """What :func:`_difference` gives for the region of ``marker`` left without checkpoint,
     from the storages of its values and inputs alone, the only ones whose holds move (the
     region's frame, its replay, what its backward reads), counted where they are held and
     dropped rather than by simulating the whole step once per region (129 regions of a 7B
-    model: 9 s). None where the schedule differs beyond them (say, a replay elsewhere that
-    the region's holds make a second copy), for the caller to simulate."""
+    model: 9 s). ``replayed``: the region's replay under ``nothing``. None where the
+    schedule differs beyond them (say, a replay elsewhere that the region's holds make a
+    second copy), for the caller to simulate."""
     by_name = problem.by_name
     region = by_name[marker].region
     regions = _regions(problem)
     alone = _sac_schedule(problem, frozenset({marker}))
     own = set(regions.values.get(region, ())) | regions.inputs.get(region, frozenset())
-    replayed = {n for n in nothing.recomputed if by_name[n].region == region}
+    replay = set(replayed)
     if (
         alone.forward != nothing.forward
-        or alone.backward != tuple(n for n in nothing.backward if n not in replayed)
-        or alone.recomputed != tuple(n for n in nothing.recomputed if n not in replayed)
+        or alone.backward != tuple(n for n in nothing.backward if n not in replay)
+        or alone.recomputed != tuple(n for n in nothing.recomputed if n not in replay)
         or not set(alone.saved) ^ set(nothing.saved) <= own
         or any(
             alone.held_until.get(n) != nothing.held_until.get(n)
@@ -410,7 +412,7 @@ def _eager_difference(
     holders = {h for st in storages for h in _holders(problem).get(st, ())}
     base = storage_steps(problem, nothing, storages, holders)
     kept = storage_steps(problem, alone, storages, holders, backward_at=moment)
-    replay_steps = sorted(moment[n] for n in replayed)
+    replay_steps = sorted(moment[n] for n in replay)
     return _pieces(base, kept, replay_steps, timeline)
 
 
@@ -495,7 +497,9 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
             continue  # no backward: nothing to keep it for
         if v.op == NO_CHECKPOINT:
             replay_time = sum(by_name[n].time_s for n in regions.values[v.region] if n in again)
-            difference = _eager_difference(problem, name, nothing, sim.timeline, moment)
+            difference = _eager_difference(
+                problem, name, nothing, sim.timeline, moment, replays.get(v.region, ())
+            )
             if difference is None:  # the schedules differ beyond the region: simulate it
                 alone = simulate(problem, _sac_schedule(problem, frozenset({name})))
                 difference = _difference(alone.timeline, sim.timeline, at)
