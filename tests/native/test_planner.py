@@ -18,6 +18,7 @@ import torch
 import remat
 from remat.graph.profiles import get_profile
 from remat.models import TinyGPT
+from remat.native import api as native_api
 from remat.native import planner
 from remat.native.api import analyze
 from remat.native.regions import find_blocks
@@ -154,6 +155,17 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time
         )
 
 
+class _Ticking:
+    """A clock that moves one second each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
 def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.MonkeyPatch) -> None:
     """``remat.apply``'s passes run the MILP first; its time limit covers both passes and
     their analyses: the sub-modules' pass is given what the blocks' left, their plan
@@ -175,6 +187,9 @@ def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.Mon
         for p in ("block", "keep_all")
     )
     budget = (least + most) // 2
+    # remat.apply's clock reads one second later at each look: the limits the passes get
+    # follow from the order of the call's steps, not from how fast this machine runs them.
+    monkeypatch.setattr(native_api, "time", _Ticking())
     calls.clear()
     remat.apply(copy.deepcopy(model), args, activation_budget_bytes=budget, time_limit_s=NO_LIMIT)
     (blocks, first), (finer, second) = calls
