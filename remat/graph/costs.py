@@ -108,6 +108,17 @@ def node_dtype(node: torch.fx.Node) -> str:
     return str(outs[0].dtype).removeprefix("torch.") if outs else "float32"
 
 
+def view_like(node: torch.fx.Node, allocates: bool) -> bool:
+    """Whether an op launches no kernel: it returns tensors, allocates none of their storages
+    (``allocates``) and writes none (an in-place op, such as a gradient sum run as ``add_``,
+    allocates nothing but runs a kernel)."""
+    if node.op != "call_function" or allocates:
+        return False
+    if isinstance(node.target, tc.OpOverload) and tc.is_mutable_op(node.target):
+        return False
+    return any(isinstance(t, torch.Tensor) for t in tc.tree_leaves(node.meta.get("val")))
+
+
 def node_time(node: torch.fx.Node, flops: int, is_view: bool, profile: DeviceProfile) -> float:
     if node.op != "call_function" or node.target is operator.getitem:
         return 0.0

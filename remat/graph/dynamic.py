@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from remat import _torch_compat as tc
-from remat.graph.costs import node_bytes_moved, node_dtype
+from remat.graph.costs import node_bytes_moved, node_dtype, view_like
 from remat.graph.profiles import get_profile
 from remat.problem import Problem, Role
 from remat.solver.formula import FitError, Fitter, Poly
@@ -260,8 +260,7 @@ def _timed(analysis: Any) -> dict[str, tuple[int, str]]:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         v = by_name.get(node.name)
-        has_tensor = any(isinstance(t, torch.Tensor) for t in tc.tree_leaves(node.meta.get("val")))
-        if v is None or (has_tensor and not v.allocates):  # a view: no kernel
+        if v is None or view_like(node, bool(v.allocates)):
             continue
         out[node.name] = (node_bytes_moved(node, False), node_dtype(node))
     return out

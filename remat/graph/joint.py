@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from remat import _torch_compat as tc
+from remat.graph.buffers import drop_copies, sum_in_place
 from remat.graph.capture import PREFIX, Captured
 from remat.problem import Role
 
@@ -139,6 +140,9 @@ def build_joint(captured: Captured) -> JointGraph:
     kept = (*user, *(m for m, _ in mutations), *(g for g, _ in grad_pairs))
     output.args = (tuple(names[n] for n in kept),)
     output.meta.pop("desc", None)
+    drop_copies(graph)
+    tangents = {p.name for p in placeholders if p.role is Role.TANGENT}
+    sum_in_place(graph, backward_nodes(graph, tangents))
     graph.lint()
     gm.recompile()
     return JointGraph(
@@ -149,6 +153,19 @@ def build_joint(captured: Captured) -> JointGraph:
         grads=tuple(grad_pairs),
         param_aliases=tuple((k, *v) for k, v in aliases.items()),
     )
+
+
+def backward_nodes(graph: torch.fx.Graph, tangents: set[str]) -> set[str]:
+    """The backward's nodes: tagged so by AOTAutograd, or reading an output gradient
+    (``tangents``: their placeholders) or another backward node."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        tagged = node.meta.get("partitioner_tag") == "is_backward"
+        if tagged or any(i.name in out or i.name in tangents for i in node.all_input_nodes):
+            out.add(node.name)
+    return out
 
 
 def _split_dropout(graph: torch.fx.Graph) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from remat import _torch_compat as tc
-from remat.graph.costs import node_flops, node_time
-from remat.graph.joint import JointGraph
+from remat.graph.costs import node_flops, node_time, view_like
+from remat.graph.joint import JointGraph, backward_nodes
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
 
@@ -93,7 +93,7 @@ def build_problem(
     storage_owner: dict[int, str] = {}
     storage_bytes: dict[str, int] = {}
     external: set[int] = set()
-    backward: set[str] = set()
+    backward = backward_nodes(graph, {p.name for p in joint.tangents})
     random: set[str] = set()
     stack_by_seq: dict[int, tuple[tuple[str, str], ...]] = {}
     values: list[Value] = []
@@ -107,12 +107,7 @@ def build_problem(
         elif node.op == "get_attr":
             role = Role.CONSTANT
         else:
-            is_bw = node.meta.get("partitioner_tag") == "is_backward"
-            if is_bw or any(i in backward or roles.get(i) is Role.TANGENT for i in inputs):
-                role = Role.BACKWARD
-                backward.add(node.name)
-            else:
-                role = Role.FORWARD
+            role = Role.BACKWARD if node.name in backward else Role.FORWARD
         if role in EXTERNAL_ROLES:
             external.update(k for k, _ in keys)
         storages: list[str] = []
@@ -125,7 +120,7 @@ def build_problem(
                 storage_bytes[sid] = nbytes
                 allocates.append(sid)
             storages.append(storage_owner[key])
-        is_view = node.op == "call_function" and not allocates and bool(keys)
+        view = view_like(node, bool(allocates))
         is_random = _is_random(node) or (node.target is operator.getitem and inputs[0] in random)
         if is_random and role is Role.FORWARD:
             random.add(node.name)
@@ -145,7 +140,7 @@ def build_problem(
                 storages=tuple(dict.fromkeys(storages)),
                 allocates=tuple(allocates),
                 flops=flops,
-                time_s=node_time(node, flops, is_view, profile),
+                time_s=node_time(node, flops, view, profile),
                 random=is_random,
                 module_path=stack[-1][0] if stack else "",
                 module_stack=stack,
