@@ -136,6 +136,7 @@ def build_joint(captured: Captured) -> JointGraph:
 
     _dropout_backward_as_eager(graph)
     _split_dropout(graph)
+    _dropout_backward_vectorised(graph)
     names = {n.name: n for n in graph.nodes}
     kept = (*user, *(m for m, _ in mutations), *(g for g, _ in grad_pairs))
     output.args = (tuple(names[n] for n in kept),)
@@ -173,7 +174,8 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
 
     The fused op makes its *output* random too, so a plan would have to save it (4 bytes per
     element) besides the mask. Split, only the mask (1 byte per element) must be saved and the
-    output can be recomputed as ``x * mask * (1 / (1 - p))``. On CPU this draws the same random
+    output can be recomputed as ``x * mask * (1 / (1 - p))`` (the mask converted by
+    :func:`_mask_as_float`). On CPU this draws the same random
     numbers in the same order and gives bitwise-identical values for float32 inputs (checked by
     the zoo tests). For 16-bit inputs (autocast) the fused kernel draws its mask in the input's
     dtype and the split would not match it bit for bit: those stay fused. So do inputs on
@@ -198,19 +200,22 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
         with graph.inserting_before(node):
             empty = graph.call_function(aten.empty_like.default, (x,), {"dtype": torch.bool})
             mask = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
-            masked = graph.call_function(aten.mul.Tensor, (x, mask))
-            out = graph.call_function(aten.mul.Tensor, (masked, 1.0 / (1.0 - p)))
         with mode or contextlib.nullcontext():
             xv = x.meta["val"]
             empty.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
-            masked.meta["val"] = torch.empty_like(xv)
             # Reuse the fused op's fake outputs: downstream views share their fake storages,
             # which is how the problem knows those views allocate nothing.
             mask.meta["val"] = (
                 parts[1].meta["val"] if 1 in parts else torch.empty_like(xv, dtype=torch.bool)
             )
+        with graph.inserting_before(node):
+            as_bytes, as_float = _mask_as_float(graph, mask)
+            masked = graph.call_function(aten.mul.Tensor, (x, as_float))
+            out = graph.call_function(aten.mul.Tensor, (masked, 1.0 / (1.0 - p)))
+        with mode or contextlib.nullcontext():
+            masked.meta["val"] = torch.empty_like(xv)
             out.meta["val"] = parts[0].meta["val"] if 0 in parts else torch.empty_like(xv)
-        for new in (empty, mask, masked, out):
+        for new in (empty, mask, as_bytes, as_float, masked, out):
             new.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
             new.meta["seq_nr"] = node.meta.get("seq_nr")
             new.meta["partitioner_tag"] = node.meta.get("partitioner_tag")
@@ -218,6 +223,50 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
             if index in parts:
                 parts[index].replace_all_uses_with(replacement)
                 graph.erase_node(parts[index])
+        graph.erase_node(node)
+
+
+def _mask_as_float(graph: torch.fx.Graph, mask: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+    """A bool mask as float32 through a uint8 view, inserted where the graph's cursor is:
+    the CPU's bool-to-float conversion is not vectorised (0.60 ms per million elements on
+    one thread), uint8-to-float is (0.22 ms), and the values are the same 0.0 and 1.0.
+    Returns the view and the conversion."""
+    aten = torch.ops.aten
+    as_bytes = graph.call_function(aten.view.dtype, (mask, torch.uint8))
+    as_float = graph.call_function(aten._to_copy.default, (as_bytes,), {"dtype": torch.float32})
+    mv = mask.meta["val"]
+    with getattr(mv, "fake_mode", None) or contextlib.nullcontext():
+        as_bytes.meta["val"] = mv.view(torch.uint8)
+        as_float.meta["val"] = torch.empty_like(mv, dtype=torch.float32)
+    return as_bytes, as_float
+
+
+def _dropout_backward_vectorised(graph: torch.fx.Graph) -> None:
+    """Rewrite a float32 ``native_dropout_backward(g, mask, scale)`` on CPU as the same
+    products, ``(g * float(mask)) * scale``, with the mask converted by
+    :func:`_mask_as_float`: the fused op multiplies by the bool mask directly, converting
+    it element by element (1.41 ms per million elements on one thread, against ~1.1 ms).
+    The same bits: ``g * mask`` promotes the mask to the same 0.0 and 1.0."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.target is not aten.native_dropout_backward.default:
+            continue
+        grad, mask, scale = node.args[0], node.args[1], node.args[2]
+        gv, mv = grad.meta["val"], mask.meta["val"]
+        if gv.dtype != torch.float32 or gv.device.type != "cpu" or mv.dtype != torch.bool:
+            continue
+        with graph.inserting_before(node):
+            as_bytes, as_float = _mask_as_float(graph, mask)
+            masked = graph.call_function(aten.mul.Tensor, (grad, as_float))
+            out = graph.call_function(aten.mul.Tensor, (masked, scale))
+        with getattr(gv, "fake_mode", None) or contextlib.nullcontext():
+            masked.meta["val"] = torch.empty_like(gv)
+        out.meta["val"] = node.meta["val"]
+        for new in (as_bytes, as_float, masked, out):
+            for key in ("nn_module_stack", "seq_nr", "partitioner_tag", "stack_trace"):
+                if key in node.meta:
+                    new.meta[key] = node.meta[key]
+        node.replace_all_uses_with(out)
         graph.erase_node(node)
 
 
