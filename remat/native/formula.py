@@ -87,8 +87,8 @@ def native_dynamic(
         chosen = _plans(problem, plans, menus)
         if copies is not None and len(problem.blocks) > sum(SHALLOW):
             try:
-                dynamic = _deep(traced, chosen, copies, len(problem.blocks), dims, args,
-                                kwargs, request, profile, menus, plans, batch)  # fmt: skip
+                dynamic = _deep(traced, problem, chosen, copies, dims, args, kwargs, request,
+                                profile, menus, plans, batch)  # fmt: skip
                 return dynamic, problem
             except FitError as e:
                 if progress:
@@ -150,9 +150,9 @@ def stage_dynamic(
 
 def _deep(
     traced: Traced,
+    problem: NativeProblem,
     chosen: Mapping[str, tuple[Policy, ...]],
     copies: Copies,
-    layers: int,
     dims: Dims,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -162,7 +162,10 @@ def _deep(
     plans: Sequence[str],
     batch: int | None,
 ) -> NativeDynamic:
-    """:func:`native_dynamic` from copies with :data:`~remat.native.deep.SHALLOW` blocks."""
+    """:func:`native_dynamic` from copies with :data:`~remat.native.deep.SHALLOW` blocks,
+    checked against the model's own steps at the example's shape (``problem``'s baseline, the
+    analysis's trace with every block eager, stands for ``keep_all``'s)."""
+    layers = len(problem.blocks)
     shallow: list[tuple[Traced, dict[str, tuple[Policy, ...]]]] = []
     with contextlib.ExitStack() as stack:
         for n in SHALLOW:
@@ -196,7 +199,8 @@ def _deep(
     for name in plans:
         if request.progress:
             request.progress(f"checking {name} on the {layers}-block model")
-        full = traced.trace(args, kwargs, chosen[name])
+        eager = all(p is None for p in chosen[name])
+        full = problem.baseline if eager else traced.trace(args, kwargs, chosen[name])
         step = r.steps[name]
         got = (step.peak.peak(b, s)[0], step.peak.peak(b, s, tensors=True)[0])
         if got != (full.peak_bytes, full.tensor_peak_bytes):
