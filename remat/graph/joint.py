@@ -174,10 +174,9 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
 
     The fused op makes its *output* random too, so a plan would have to save it (4 bytes per
     element) besides the mask. Split, only the mask (1 byte per element) must be saved and the
-    output can be recomputed as ``x * mask * (1 / (1 - p))`` (the mask converted by
-    :func:`_mask_as_float`). On CPU this draws the same random
-    numbers in the same order and gives bitwise-identical values for float32 inputs (checked by
-    the zoo tests). For 16-bit inputs (autocast) the fused kernel draws its mask in the input's
+    output can be recomputed as ``x * mask * (1 / (1 - p))``, the mask converted to float by
+    :func:`_mask_as_float`. On CPU this draws the same random numbers in the same order and
+    gives bitwise-identical values for float32 inputs (checked by the zoo tests). For 16-bit inputs (autocast) the fused kernel draws its mask in the input's
     dtype and the split would not match it bit for bit: those stay fused. So do inputs on
     another device: eager CUDA runs the fused kernel (``is_fused_kernel_acceptable``), whose
     Philox draws a split ``bernoulli`` does not reproduce (seen on an H200: outputs off by up to
@@ -226,7 +225,9 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _mask_as_float(graph: torch.fx.Graph, mask: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+def _mask_as_float(
+    graph: torch.fx.Graph, mask: torch.fx.Node
+) -> tuple[torch.fx.Node, torch.fx.Node]:
     """A bool mask as float32 through a uint8 view, inserted where the graph's cursor is:
     the CPU's bool-to-float conversion is not vectorised (0.60 ms per million elements on
     one thread), uint8-to-float is (0.22 ms), and the values are the same 0.0 and 1.0.
