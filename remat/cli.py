@@ -461,6 +461,7 @@ def _request(args: argparse.Namespace, progress: Callable[[str], None]) -> Reque
         time_limit_s=args.time_limit,
         max_seq=getattr(args, "max_seq", None),
         progress=progress,
+        workers=getattr(args, "workers", None),
     )
 
 
@@ -1052,6 +1053,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _model_options(f)
     f.add_argument("--max-seq", type=int, default=None,
                    help="longest length searched (default: the model's positions)")  # fmt: skip
+    f.add_argument("--workers", type=int, default=None,
+                   help="processes tracing the sac executor's steps at once (default: one per "
+                   "core, up to 8, where the traces add up to 10 s or more; 1: this process)")  # fmt: skip
     _tp_options(f)
     _pp_options(f)
     f.add_argument(

@@ -85,6 +85,9 @@ class Request:
     """With ``max_seq`` (whole-graph executor): the longest length of each bucket."""
     progress: Callable[[str], None] | None = field(default=None, compare=False)
     """Called with a short status line as long solves advance."""
+    workers: int | None = None
+    """Processes tracing a native fit's steps at once (:mod:`remat.native.workers`): None,
+    one per core (up to 8) where the traces add up to 10 s or more; 1, this process alone."""
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.activation_budget_bytes is not None:
@@ -106,6 +109,8 @@ class Request:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
         if not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s!r}")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
         if self.max_seq is not None and (not isinstance(self.max_seq, int) or self.max_seq < 1):
             raise ValueError(f"max_seq must be a positive integer, got {self.max_seq!r}")
         object.__setattr__(self, "block_types", tuple(self.block_types))
@@ -176,6 +181,7 @@ class RequestArgs(TypedDict, total=False):
     max_seq: int | None
     seq_buckets: tuple[int, ...]
     progress: Callable[[str], None] | None
+    workers: int | None
 
 
 _TRAINING = tuple(f.name for f in fields(Options))

@@ -27,6 +27,7 @@ from remat.graph.dynamic import Dims, RangeShapes, range_shapes
 from remat.graph.profiles import DeviceProfile
 from remat.native.regions import Policy
 from remat.native.trace import OpEvent, StepTrace
+from remat.native.workers import mapped
 from remat.peak_formula import RangeFormula
 from remat.solver.formula import FitError, Fitter, Monomial, Poly, StepPolynomials
 from remat.solver.formula import peak_candidates as _candidates
@@ -112,23 +113,42 @@ def trace_dynamic(
     max_seq: int | None = None,
     batch: int | None = None,
     progress: Callable[[str], None] | None = None,
+    workers: int | None = 1,
 ) -> NativeDynamic:
     """Every plan of ``plans`` (name -> one policy per block) traced at the shapes of each
-    range and fitted (module docstring)."""
+    range and fitted (module docstring). ``workers``: processes tracing at once
+    (:func:`remat.native.workers.mapped`; None: one per core where the traces take long)."""
     has_seq = dims.seq is not None
-    ranges = []
-    for r in range_shapes(dims, max_seq=max_seq, batch=batch):
+    ranges = range_shapes(dims, max_seq=max_seq, batch=batch)
+    units = [
+        (b, s if has_seq else None, name, tuple(policies))
+        for r in ranges
+        for b, s in (*r.fit, *r.check)
+        for name, policies in plans.items()
+    ]
+
+    def announce(count: int) -> None:
+        if progress:
+            progress(f"tracing {len(units)} steps on {count} processes")
+
+    traced = []
+    for k, sample in enumerate(mapped(sample_at, units, workers, announce)):
+        traced.append(sample)
+        if progress:
+            b, s, name, _ = units[k]
+            where = f"b={b}" + (f", s={s}" if has_seq else "")
+            progress(f"traced {name} at {where} ({k + 1} of {len(units)})")
+    out = []
+    samples = iter(traced)
+    for r in ranges:
         shapes = (*r.fit, *r.check)
-        samples: dict[str, list[Sample]] = {name: [] for name in plans}
-        for b, s in shapes:
-            for name, policies in plans.items():
-                if progress:
-                    where = f"b={b}" + (f", s={s}" if has_seq else "")
-                    progress(f"tracing {name} at {where}")
-                samples[name].append(sample_at(b, s if has_seq else None, name, policies))
-        steps = {name: _fit_step(name, r, shapes, x) for name, x in samples.items()}
-        ranges.append(NativeRange(r, steps))
-    return NativeDynamic(tuple(ranges), dims, {n: tuple(p) for n, p in plans.items()})
+        per_plan: dict[str, list[Sample]] = {name: [] for name in plans}
+        for _ in shapes:
+            for name in plans:
+                per_plan[name].append(next(samples))
+        steps = {name: _fit_step(name, r, shapes, x) for name, x in per_plan.items()}
+        out.append(NativeRange(r, steps))
+    return NativeDynamic(tuple(out), dims, {n: tuple(p) for n, p in plans.items()})
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,8 @@ def native_dynamic(
             a, kw = inputs_at(args, kwargs, dims, b, s)
             return sample_of(traced.trace(a, kw, policies))
 
-        dynamic = trace_dynamic(
-            sample_at, chosen, dims, max_seq=request.max_seq, batch=batch, progress=progress
-        )
+        dynamic = trace_dynamic(sample_at, chosen, dims, max_seq=request.max_seq,
+                                batch=batch, progress=progress, workers=request.workers)  # fmt: skip
     return dynamic, problem
 
 
@@ -191,6 +190,7 @@ def _deep(
             max_seq=request.max_seq,
             batch=batch,
             progress=request.progress,
+            workers=request.workers,
         )
     b, s = dims.batch, dims.seq
     r = dynamic.range_of(b, s)

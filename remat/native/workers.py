@@ -1,0 +1,83 @@
+"""FakeTensor traces on several CPU cores.
+
+A fit traces every plan at every shape of its ranges (:mod:`remat.native.dynamic`): 269
+traces of half a second each for a 70B Llama, one core busy with Python (FakeTensor
+dispatch), the others idle. The traces are independent, so they can run in forked worker
+processes that inherit the analysed FakeTensor copies as they are (no rebuild, no warm-up)
+and send back only each trace's :class:`~remat.native.dynamic.Sample`. Fork is taken only
+where the platform offers it and CUDA is not initialised in this process (a forked child
+cannot use it); each worker runs one intra-op thread, as DataLoader's workers do.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["AUTO_MAX", "MIN_WORK_S", "mapped"]
+
+AUTO_MAX = 8
+"""Workers at most when the count is automatic."""
+MIN_WORK_S = 10.0
+"""With the count automatic, the traces run here unless they add up to this much (timed from
+the first): forking and pickling would cost more than they save."""
+
+_WORK: Callable[..., Any] | None = None
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _forkable() -> bool:
+    return "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+
+
+def _run(unit: Sequence[Any]) -> Any:
+    assert _WORK is not None
+    return _WORK(*unit)
+
+
+def _start() -> None:
+    torch.set_num_threads(1)
+
+
+def mapped(
+    work: Callable[..., Any],
+    units: Sequence[Sequence[Any]],
+    workers: int | None,
+    announce: Callable[[int], None] | None = None,
+) -> Iterator[Any]:
+    """``work(*unit)`` for each unit, in order. ``workers``: processes (1: this one alone);
+    None: the first unit here, then, where the rest would take :data:`MIN_WORK_S` or more
+    at its pace, one forked process per core (up to :data:`AUTO_MAX`). ``work`` need not be
+    picklable (the workers inherit it); its results must be. ``announce`` is called with the
+    number of processes where there are several."""
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    todo = list(units)
+    if workers is None and todo:
+        t0 = time.perf_counter()
+        yield work(*todo[0])
+        todo = todo[1:]
+        enough = (time.perf_counter() - t0) * len(todo) >= MIN_WORK_S
+        workers = min(_cores(), AUTO_MAX) if enough else 1
+    count = min(workers or 1, len(todo)) if _forkable() else 1
+    if count <= 1:
+        yield from (work(*unit) for unit in todo)
+        return
+    if announce:
+        announce(count)
+    global _WORK
+    _WORK = work
+    try:
+        with multiprocessing.get_context("fork").Pool(count, initializer=_start) as pool:
+            yield from pool.imap(_run, todo)
+    finally:
+        _WORK = None

@@ -1,0 +1,56 @@
+"""A native fit's traces on forked workers (``remat.native.workers``): the same fit as in one
+process, and processes forked only where asked or where the traces take long."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from remat.native import workers
+from remat.native.formula import native_dynamic
+from remat.request import Request
+from tests.zoo import llama
+
+pytestmark = pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="no fork on this platform"
+)
+
+
+def _pid(k: int) -> tuple[int, int]:
+    return k, os.getpid()
+
+
+def test_units_run_in_order_on_workers_only_where_asked_or_worth_it() -> None:
+    here = os.getpid()
+    forked = list(workers.mapped(_pid, [(k,) for k in range(6)], 2))
+    assert [k for k, _ in forked] == list(range(6))
+    assert {p for _, p in forked} - {here}  # ran in forked processes
+    quick = list(workers.mapped(_pid, [(k,) for k in range(6)], None))
+    assert quick == [(k, here) for k in range(6)]  # microseconds of work: not worth a fork
+    with pytest.raises(ValueError, match="positive"):
+        list(workers.mapped(_pid, [(0,)], 0))
+
+
+def test_a_fit_traced_on_two_workers_is_the_fit_traced_in_one_process() -> None:
+    torch.manual_seed(0)
+    model = llama(2, 64).train()
+    args = (torch.randint(0, 128, (2, 16)),)
+    seen: list[str] = []
+    fits = {}
+    for n in (1, 2):
+        req = Request.of(device_profile="cpu", workers=n, progress=seen.append)
+        fits[n], _ = native_dynamic(model, args, {}, req, plans=("block",), batch=2)
+    assert any("on 2 processes" in m for m in seen)
+    one, two = fits[1], fits[2]
+    assert one.policies == two.policies and len(one.ranges) == len(two.ranges)
+    for r1, r2 in zip(one.ranges, two.ranges, strict=True):
+        assert r1.shapes == r2.shapes and list(r1.steps) == list(r2.steps)
+        for name, s1 in r1.steps.items():
+            s2 = r2.steps[name]
+            assert s1.peak == s2.peak and s1.monomials == s2.monomials
+            assert s1.dtypes == s2.dtypes
+            for field in ("flops", "moved", "timed", "recompute", "weights"):
+                assert torch.equal(getattr(s1, field), getattr(s2, field)), (name, field)
