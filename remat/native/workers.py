@@ -5,14 +5,15 @@ traces of half a second each for a 70B Llama, one core busy with Python (FakeTen
 dispatch), the others idle. The traces are independent, so they can run in forked worker
 processes that inherit the analysed FakeTensor copies as they are (no rebuild, no warm-up)
 and send back only each trace's :class:`~remat.native.dynamic.Sample`. Fork is taken only
-where the platform offers it and CUDA is not initialised in this process (a forked child
-cannot use it); each worker runs one intra-op thread, as DataLoader's workers do.
+on Linux and where CUDA is not initialised in this process (a forked child cannot use it);
+each worker runs one intra-op thread, as DataLoader's workers do.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,7 +37,9 @@ def _cores() -> int:
 
 
 def _forkable() -> bool:
-    return "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+    """Linux only, as DataLoader forks only there (macOS's system libraries are not safe to
+    use in a forked child)."""
+    return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
 
 
 def _run(unit: Sequence[Any]) -> Any:
@@ -64,10 +67,11 @@ def mapped(
     todo = list(units)
     if workers is None and todo:
         t0 = time.perf_counter()
-        yield work(*todo[0])
+        first = work(*todo[0])
         todo = todo[1:]
         enough = (time.perf_counter() - t0) * len(todo) >= MIN_WORK_S
         workers = min(_cores(), AUTO_MAX) if enough else 1
+        yield first
     count = min(workers or 1, len(todo)) if _forkable() else 1
     if count <= 1:
         yield from (work(*unit) for unit in todo)
