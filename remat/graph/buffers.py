@@ -73,6 +73,31 @@ class _Storages:
         self.last[key] = max(self.last[key], self.last.pop(src))
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Covers its whole storage, contiguously."""
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def _operand(node: fx.Node, storages: _Storages) -> tuple[fx.Node, torch.Tensor, int, int] | None:
+    """``node``'s first argument, its value, and the keys of its storage and of ``node``'s,
+    where the two values are single tensors on distinct storages of the same dtype, shape and
+    strides, each dense over its whole storage (so either can stand for the other)."""
+    first, out = node.args[0] if node.args else None, _tensor(node)
+    val = _tensor(first)
+    if out is None or val is None or not isinstance(first, fx.Node):
+        return None
+    key, out_key = tc.storage_key(val), tc.storage_key(out)
+    if key == out_key or {key, out_key} & storages.opaque or not (_dense(val) and _dense(out)):
+        return None
+    if val.dtype != out.dtype or val.shape != out.shape or val.stride() != out.stride():
+        return None
+    return first, val, key, out_key
+
+
 def sum_in_place(graph: fx.Graph, backward: set[str]) -> int:
     """Make every gradient sum of the backward (``backward``: its node names) that eager
     would run in place an ``add_`` on its first operand (module docstring). Returns how many."""
@@ -85,38 +110,19 @@ def sum_in_place(graph: fx.Graph, backward: set[str]) -> int:
             continue
         if node.kwargs.get("alpha", 1) != 1:
             continue
-        old, out = node.args[0], _tensor(node)
-        val = _tensor(old)
-        if out is None or val is None or not isinstance(old, fx.Node):
+        found = _operand(node, storages)
+        if found is None:
             continue
-        key, out_key = tc.storage_key(val), tc.storage_key(out)
+        old, val, key, out_key = found
         owner = storages.holders[key][0]
         if owner.name not in backward or owner.op != "call_function":
             continue  # a parameter's, an input's, an output gradient's or a forward value's
-        if storages.last[key] != order[node] or {key, out_key} & storages.opaque:
-            continue  # read after the sum, or held by a node that is not one tensor
-        same_layout = (
-            val.dtype == out.dtype
-            and val.shape == out.shape
-            and val.stride() == out.stride()
-            and val.storage_offset() == 0
-            and val.untyped_storage().nbytes() == out.untyped_storage().nbytes()
-        )
-        if not same_layout or not val.is_contiguous() or key == out_key:
-            continue
+        if storages.last[key] != order[node]:
+            continue  # read after the sum
         node.target = torch.ops.aten.add_.Tensor
         storages.move(out_key, val)
         done += 1
     return done
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Covers its whole storage, contiguously."""
-    return (
-        t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
 
 
 def drop_copies(graph: fx.Graph) -> int:
@@ -132,17 +138,12 @@ def drop_copies(graph: fx.Graph) -> int:
             "memory_format", torch.preserve_format
         ) not in (torch.preserve_format, torch.contiguous_format):
             continue
-        src, out = node.args[0], _tensor(node)
-        val = _tensor(src)
-        if out is None or val is None or not isinstance(src, fx.Node):
+        found = _operand(node, storages)
+        if found is None:
             continue
-        key, out_key = tc.storage_key(val), tc.storage_key(out)
-        if storages.holders[key][0].op != "call_function" or key == out_key:
-            continue
-        if {key, out_key} & storages.opaque or not (_dense(val) and _dense(out)):
-            continue
-        if val.dtype != out.dtype or val.shape != out.shape or val.stride() != out.stride():
-            continue
+        src, val, key, out_key = found
+        if storages.holders[key][0].op != "call_function":
+            continue  # a parameter's, a buffer's, an input's or an output gradient's
         if any(output in h.users for h in storages.holders[out_key]):
             continue
         storages.move(out_key, val)
