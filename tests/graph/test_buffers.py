@@ -68,10 +68,16 @@ def _node(graph: fx.Graph, op: object, args: tuple[object, ...], val: torch.Tens
     return node
 
 
-def test_only_copies_of_the_steps_own_dense_values_that_are_not_outputs_are_dropped() -> None:
+def _graph() -> tuple[fx.Graph, fx.Node]:
+    """A graph with one (4, 8) input."""
     graph = fx.Graph()
     x = graph.placeholder("x")
     x.meta["val"] = torch.empty(4, 8)
+    return graph, x
+
+
+def test_only_copies_of_the_steps_own_dense_values_that_are_not_outputs_are_dropped() -> None:
+    graph, x = _graph()
     y = _node(graph, aten.relu.default, (x,), torch.empty(4, 8))
     copy = _node(graph, aten.clone.default, (y,), torch.empty(4, 8))
     of_input = _node(graph, aten.clone.default, (x,), torch.empty(4, 8))
@@ -87,9 +93,7 @@ def test_only_copies_of_the_steps_own_dense_values_that_are_not_outputs_are_drop
 
 
 def test_a_sum_is_in_place_only_where_nothing_reads_its_first_operand_later() -> None:
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["val"] = torch.empty(4, 8)
+    graph, x = _graph()
     g1 = _node(graph, aten.relu.default, (x,), torch.empty(4, 8))
     g2 = _node(graph, aten.sigmoid.default, (x,), torch.empty(4, 8))
     read_later = _node(graph, aten.add.Tensor, (g1, g2), torch.empty(4, 8))

@@ -23,13 +23,33 @@ def _pid(k: int) -> tuple[int, int]:
     return k, os.getpid()
 
 
-def test_units_run_in_order_on_workers_only_where_asked_or_worth_it() -> None:
+class _Clock:
+    """Each reading ``step`` seconds after the last: the first unit "takes" ``step``."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_units_run_in_order_on_workers_only_where_asked_or_worth_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     here = os.getpid()
-    forked = list(workers.mapped(_pid, [(k,) for k in range(6)], 2))
+    units = [(k,) for k in range(6)]
+    forked = list(workers.mapped(_pid, units, 2))
     assert [k for k, _ in forked] == list(range(6))
     assert {p for _, p in forked} - {here}  # ran in forked processes
-    quick = list(workers.mapped(_pid, [(k,) for k in range(6)], None))
-    assert quick == [(k, here) for k in range(6)]  # microseconds of work: not worth a fork
+    # The automatic count, decided by the first unit's time on a stand-in clock and 2 cores.
+    monkeypatch.setattr(workers, "_cores", lambda: 2)
+    monkeypatch.setattr(workers, "time", _Clock(workers.MIN_WORK_S / 10))  # 5 more: half
+    assert list(workers.mapped(_pid, units, None)) == [(k, here) for k in range(6)]
+    monkeypatch.setattr(workers, "time", _Clock(workers.MIN_WORK_S / 4))  # 5 more: 1.25x
+    auto = list(workers.mapped(_pid, units, None))
+    assert [k for k, _ in auto] == list(range(6)) and auto[0] == (0, here)
+    assert {p for _, p in auto[1:]} - {here}
     with pytest.raises(ValueError, match="positive"):
         list(workers.mapped(_pid, [(0,)], 0))
 
