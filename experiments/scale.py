@@ -8,7 +8,10 @@ path as ``remat plan``: FakeTensorMode, bf16-mixed, AdamW, ZeRO-3, the ``h100`` 
 4096, batch 1. Prints wall time per stage (capture, joint, annotate, solve, rewrite), max RSS,
 the plan's predicted step peak and recompute overhead; then, from the same graph, Megatron's
 selective recompute (its peak and overhead) and the chain solver's overhead at exactly
-Megatron's peak. Writes experiments/results/scale.csv.
+Megatron's peak. The floor under each plan gets ``--floor-time`` seconds more (the blocks'
+exact fronts, :mod:`remat.solver.block_bound`); ``moments_bound_ms`` is the backward's
+moments bound alone in 10 s, what a plan records without that time. Writes
+experiments/results/scale.csv.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ CONFIGS = {
 }
 
 
-def _run(name: str) -> dict[str, object]:
+def _run(name: str, floor_time_s: float) -> dict[str, object]:
     import remat
     from remat.presets import build
+    from remat.solver.bound import backward_bound
+    from remat.solver.config import SolverConfig
     from remat.solver.registry import solve
 
     preset, budget_gb, world = CONFIGS[name]
@@ -42,7 +47,8 @@ def _run(name: str) -> dict[str, object]:
     t_build = time.perf_counter() - t0
     fast = remat.optimize(built.model, built.args, example_kwargs=built.kwargs,
                           budget_gb=budget_gb, precision="bf16-mixed", zero_stage=3,
-                          world_size=world, device_profile="h100")  # fmt: skip
+                          world_size=world, device_profile="h100",
+                          floor_time_s=floor_time_s)  # fmt: skip
     wall = time.perf_counter() - t0
     plan, problem = fast.plan, fast._first.problem
     sim = plan.simulation
@@ -61,7 +67,14 @@ def _run(name: str) -> dict[str, object]:
         "bound_pct": None
         if plan.lower_bound_s is None
         else 100 * plan.lower_bound_s / sim.step_time_s,
+        "recompute_ms": 1e3 * sim.recompute_time_s,
+        "bound_ms": None if plan.lower_bound_s is None else 1e3 * plan.lower_bound_s,
     }
+    # The backward's moments alone, as the chain solver computes it without floor_time_s.
+    budget = fast._planner.step_budget
+    moments = backward_bound(problem, budget, SolverConfig(time_limit_s=10.0))
+    row["moments_bound_ms"] = None if moments is None else 1e3 * moments
+    row["ratio"] = plan.lower_bound_s and sim.recompute_time_s / plan.lower_bound_s
     megatron = solve(problem, solver="megatron", budget_bytes=None)
     m_sim = megatron.simulation
     row["megatron_peak_gb"] = megatron.predicted_peak_bytes / 1e9
@@ -79,12 +92,15 @@ def _run(name: str) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", choices=list(CONFIGS), action="append")
+    parser.add_argument(
+        "--floor-time", type=float, default=90.0, help="seconds for the blocks' fronts floor"
+    )
     args = parser.parse_args()
     rows = []
     ctx = mp.get_context("spawn")
     for name in args.only or CONFIGS:
         with ctx.Pool(1) as pool:
-            rows.append(pool.apply(_run, (name,)))
+            rows.append(pool.apply(_run, (name, args.floor_time)))
         print(rows[-1], flush=True)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     table = Table(title="planning Llama shapes (bf16-mixed, ZeRO-3, h100 profile, seq 4096)")

@@ -76,6 +76,8 @@ def optimize(
             on), ``cpu``, ``a100``, ``h100``, ``h200``, ``ascend910b3``, ``ascend910b4``, or a
             :class:`remat.DeviceProfile`.
         time_limit_s: wall-clock limit of optimizing solvers.
+        floor_time_s: seconds more for a tighter proven floor under a chain plan (the blocks'
+            exact fronts, :mod:`remat.solver.block_bound`): ``plan.lower_bound_s``.
         block_types: module class names or path patterns the ``block`` baseline checkpoints.
         max_seq: the longest sequence training will use, for inputs whose length varies (dim 1
             of the first input, token ids; the example at or below it, of 8 tokens or more).

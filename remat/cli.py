@@ -459,6 +459,7 @@ def _request(args: argparse.Namespace, progress: Callable[[str], None]) -> Reque
         solver=getattr(args, "solver", None),
         device_profile=args.device,
         time_limit_s=args.time_limit,
+        floor_time_s=getattr(args, "floor_time", 0.0),
         max_seq=getattr(args, "max_seq", None),
         progress=progress,
         workers=getattr(args, "workers", None),
@@ -479,7 +480,7 @@ def compare_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"[red]remat compare: {e}")
         return 2
-    config = SolverConfig(time_limit_s=args.time_limit)
+    config = SolverConfig(time_limit_s=args.time_limit, floor_time_s=args.floor_time)
     static = model_static_memory(built.model, options)
     executor = executor_of(args)
     console.print(f"executor: {EXECUTORS[executor]}")
@@ -991,6 +992,16 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _floor_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--floor-time",
+        type=float,
+        default=0.0,
+        help="seconds more for a tighter proven floor under a whole-graph chain plan (the "
+        "blocks' fronts, plan.lower_bound_s)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1021,6 +1032,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the presets")
     p.add_argument("--budget-gb", type=float, default=80.0, help="device memory (1 GB = 1e9 B)")
     _model_options(p)
+    _floor_option(p)
     p.add_argument("--solver", default=None, help="default: auto")
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
     _tp_options(p)
@@ -1037,6 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="instead: N budgets from the least feasible to keep-all's")  # fmt: skip
     _model_options(c)
+    _floor_option(c)
     c.add_argument("--csv", default=None, metavar="OUT.csv")
     c.add_argument("--plot", default=None, metavar="OUT.png",
                    help="Pareto plot: recompute %% vs step peak, one curve per solver")  # fmt: skip

@@ -77,6 +77,8 @@ class Request:
     """Cost model of recompute time; ``auto``: the device the parameters are on."""
     time_limit_s: float = 60.0
     """Wall-clock limit of optimizing solvers."""
+    floor_time_s: float = 0.0
+    """Seconds more for a tighter floor under a chain plan (:attr:`SolverConfig.floor_time_s`)."""
     block_types: tuple[str, ...] = ()
     """Class names or path patterns of the repeated blocks."""
     max_seq: int | None = None
@@ -109,6 +111,8 @@ class Request:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction!r}")
         if not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be positive, got {self.time_limit_s!r}")
+        if not self.floor_time_s >= 0:
+            raise ValueError(f"floor_time_s must be 0 or more, got {self.floor_time_s!r}")
         if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
             raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
         if self.max_seq is not None and (not isinstance(self.max_seq, int) or self.max_seq < 1):
@@ -141,7 +145,10 @@ class Request:
 
     def solver_config(self) -> SolverConfig:
         return SolverConfig(
-            time_limit_s=self.time_limit_s, block_types=self.block_types, progress=self.progress
+            time_limit_s=self.time_limit_s,
+            block_types=self.block_types,
+            progress=self.progress,
+            floor_time_s=self.floor_time_s,
         )
 
     def device(self, model: nn.Module) -> DeviceBudget | None:
@@ -177,6 +184,7 @@ class RequestArgs(TypedDict, total=False):
     solver: str | None
     device_profile: str | DeviceProfile
     time_limit_s: float
+    floor_time_s: float
     block_types: tuple[str, ...]
     max_seq: int | None
     seq_buckets: tuple[int, ...]

@@ -173,3 +173,17 @@ def test_plan_any_transformers_architecture(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert code == 0, out
     assert "mistral (transformers config)" in out and "model.layers.*.self_attn" in out
+
+
+def test_floor_time_reaches_the_solvers() -> None:
+    """``--floor-time`` (plan, compare) becomes the chain solver's ``floor_time_s``."""
+    import argparse
+
+    from remat.cli import _request
+
+    args = argparse.Namespace(budget_gb=1.0, optimizer="adamw", precision="fp32", zero_stage=0,
+                              world_size=1, reserve=0.05, solver=None, device="h100",
+                              time_limit=5.0, floor_time=7.0)  # fmt: skip
+    assert _request(args, print).solver_config().floor_time_s == 7.0
+    with pytest.raises(SystemExit):
+        main(["fit", "gpt2", "--floor-time", "7"])  # fit plans no floor: not an option there

@@ -32,6 +32,7 @@ def test_flat_arguments_spell_the_same_request() -> None:
         ({"plan": "keep_all", "solver": "exact"}, "either plan= or solver="),
         ({"reserve_fraction": 1.0}, r"reserve_fraction must be in \[0, 1\)"),
         ({"time_limit_s": 0.0}, "time_limit_s must be positive"),
+        ({"floor_time_s": -1.0}, "floor_time_s must be 0 or more"),
         ({"max_seq": 0}, "max_seq must be a positive integer"),
         ({"optimizer": "lion"}, "unknown optimizer 'lion'; valid: adamw, adam, sgd, none"),
         ({"zero_stage": 4}, "zero_stage must be one of"),

@@ -32,7 +32,7 @@ value per moment, which HiGHS does not solve at 7B in the plan's time.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import pulp
@@ -58,6 +58,8 @@ class Moment:
     index: int
     fixed_bytes: int
     later: tuple[tuple[str, tuple[str, ...]], ...]
+    fixed: frozenset[str] = frozenset()
+    """The storages counted in ``fixed_bytes`` (scratch aside)."""
 
 
 def read_span(problem: Problem, backward: Sequence[Value]) -> tuple[dict[str, int], dict[str, int]]:
@@ -93,14 +95,38 @@ def recompute_horizons(problem: Problem, first_read: Mapping[str, int]) -> dict[
     return out
 
 
+def view_reads(problem: Problem, last: Mapping[str, int]) -> dict[str, int]:
+    """Each forward value's last backward read of itself or of a view of its storage computed
+    from it through views alone (``last``: :func:`read_span`'s). Saved, a value holds its
+    storage at least that long: the view is read from that storage, either recomputed from
+    the value (which is held until then) or recomputed earlier and holding it itself, and no
+    executor makes a second copy of a storage still held."""
+    values, users, fwd = problem.by_name, problem.users, problem.forward_names
+    out: dict[str, int] = {}
+    for v in reversed(problem.values):
+        if v.name not in fwd:
+            continue
+        top = last.get(v.name, -1)
+        mine = set(v.storages)
+        for u in users[v.name]:
+            w = values[u]
+            if u in out and w.storages and not w.allocates and set(w.storages) <= mine:
+                top = max(top, out[u])
+        out[v.name] = top
+    return {n: k for n, k in out.items() if k >= 0}
+
+
 def _needed_after(
     problem: Problem, first: Mapping[str, int], last: Mapping[str, int]
 ) -> dict[str, list[tuple[int, str]]]:
     """Per storage, ``(last moment it is needed at, value)`` of the forward values on it
     (``first``, ``last``: :func:`read_span`)."""
-    need = dict(last)
+    # remat's executor never copies a held storage; PyTorch's checkpoint may (its replay
+    # allocates afresh), so there a saved value's views say nothing of it.
+    need = view_reads(problem, last) if problem.executor == "graph" else dict(last)
     if executor_of(problem).on_demand:
-        need.update((n, h - 1) for n, h in recompute_horizons(problem, first).items())
+        for n, h in recompute_horizons(problem, first).items():
+            need[n] = max(need.get(n, -1), h - 1)
     out: dict[str, list[tuple[int, str]]] = {}
     for n, k in need.items():
         for s in problem.by_name[n].storages:
@@ -111,12 +137,14 @@ def _needed_after(
     return out
 
 
-def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
+def backward_moments(
+    problem: Problem, limit: int = MOMENTS, *, at: Collection[int] | None = None
+) -> list[Moment]:
     """The backward ops' moments most likely to bind, at most ``limit`` (any subset gives a
     valid bound): a moment is kept only if more is live there whatever the plan than at every
     earlier one, since an earlier moment has the later one's saved values after it too (a
     heuristic: the earlier one may count a storage as always live that the later one counts
-    as saved)."""
+    as saved). ``at``: instead, the moments of exactly these backward ops (their indices)."""
     values = problem.by_name
     fwd = problem.forward_names
     backward = [v for v in problem.values if v.role is Role.BACKWARD]
@@ -155,14 +183,14 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
         for i in v.inputs:
             here.update(values[i].storages)
         fixed = sum(nbytes.get(s, 0) for s in here) + v.scratch_bytes
-        if fixed > top:
-            top = fixed
+        if (fixed > top) if at is None else (k in at):
+            top = max(top, fixed)
             later = tuple(
                 (s, tuple(n for d, n in pairs if d > k))
                 for s, pairs in needed.items()
                 if s not in here and pairs[-1][0] > k
             )
-            out.append(Moment(k, fixed, later))
+            out.append(Moment(k, fixed, later, frozenset(here)))
         for i in dict.fromkeys(v.inputs):
             if values[i].role is Role.BACKWARD and last_use.get(i) == k and i not in grads:
                 drop(values[i].storages)
@@ -170,7 +198,7 @@ def backward_moments(problem: Problem, limit: int = MOMENTS) -> list[Moment]:
             drop(v.storages)
         for n in ends.get(k, ()):
             drop(values[n].storages)
-    if len(out) > limit:  # evenly over the backward, the most loaded one kept
+    if at is None and len(out) > limit:  # evenly over the backward, the most loaded one kept
         step = len(out) / limit
         picked = {int(j * step) for j in range(limit - 1)} | {len(out) - 1}
         out = [m for j, m in enumerate(out) if j in picked]

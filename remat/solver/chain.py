@@ -32,7 +32,8 @@ and the heuristics leave time on the table. But it is a chain of identical block
 
 7. **A lower bound** at any size: :func:`remat.solver.bound.backward_bound` (the backward's
    start and its ops' moments, one binary per value, no time index), recorded as the plan's
-   ``lower_bound_s``.
+   ``lower_bound_s``; with ``SolverConfig.floor_time_s``, also the tighter one from the
+   blocks' exact fronts (:mod:`remat.solver.block_bound`), the larger of the two.
 
 Values outside the blocks (embeddings, head, loss) keep what their backward reads; every block's
 inputs are saved when its recomputation needs them, so recomputation never crosses a block
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 import pulp
 
 from remat.problem import Problem, Role
+from remat.solver.block_bound import block_bound
 from remat.solver.bound import backward_bound
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
@@ -272,6 +274,19 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     best, windows = _refine(
         problem, structure, menus, best, target, config, t0 + config.time_limit_s
     )
+    floor = "at the backward's moments"
+    if bound is not None and config.floor_time_s and best.recompute_time_s > bound:
+        with contextlib.suppress(pulp.PulpSolverError):
+            fronts = block_bound(
+                problem,
+                target,
+                dataclasses.replace(config, time_limit_s=config.floor_time_s),
+                structure=structure,
+            )
+            # Above a plan that fits, a floor is wrong (beyond the solver's tolerance): kept
+            # out rather than clipped, so a bug cannot pass for a proof of optimality.
+            if fronts is not None and bound < fronts <= best.recompute_time_s * (1 + 1e-6):
+                bound, floor = fronts, "from the blocks' fronts"
     sizes = ", ".join(f"{len(menus[c])}" for c in structure.classes)
     reason = (
         f"chain DP over {len(blocks)} blocks in {len(structure.classes)} class(es) "
@@ -285,7 +300,7 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     )
     if bound is not None:
         bound = min(bound, best.recompute_time_s)  # solver tolerances
-        reason += f", lower bound {bound * 1e3:.4g} ms (at the backward's moments)"
+        reason += f", lower bound {bound * 1e3:.4g} ms ({floor})"
     reason += f", {time.perf_counter() - t0:.1f} s"
     plan = dataclasses.replace(
         best, solver="chain", reason=reason, proof=Proof.NEIGHBOURHOOD, lower_bound_s=bound

@@ -46,9 +46,16 @@ class SolverConfig:
     max_milp_values: int = 1500
     """``auto`` skips the flat LP and MILP above this many forward values (after compression):
     building them would take minutes and gigabytes (GPT-2 small has ~800)."""
+    floor_time_s: float = 0.0
+    """Seconds the chain solver spends, on top of ``time_limit_s``, on a tighter floor under
+    its plan: the blocks' exact fronts at the head of the backward
+    (:mod:`remat.solver.block_bound`; 0: only the backward's moments,
+    :mod:`remat.solver.bound`, within the time limit)."""
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
             raise ValueError("time_limit_s must be positive")
+        if self.floor_time_s < 0:
+            raise ValueError("floor_time_s must be 0 or more")
         if self.backend not in ("auto", "highs", "cbc"):
             raise ValueError(f"unknown MILP backend {self.backend!r}; valid: auto, highs, cbc")

@@ -86,12 +86,18 @@ class _Model:
         fold: Mapping[str, str] | None = None,
         fix: Mapping[str, str] | None = None,
         deadline: float | None = None,
+        kept_weight: float = 0.0,
+        kept_stage: int = 0,
     ) -> None:
         self.problem = problem
         self.deadline = deadline
         """``time.perf_counter()`` past which building stops with :class:`ModelTimeout`: on a
         graph of a few hundred values the model takes longer to build than to solve, and the
         solvers' own time limits do not cover it."""
+        self.kept_weight = kept_weight
+        self.kept_stage = kept_stage
+        """Seconds per byte live before stage ``kept_stage``'s recomputations added to the
+        objective (:func:`kept_tradeoff`)."""
         self.fold = dict(fold or {})
         self.fix = dict(fix or {})
         """Forward values fixed as in a start plan (a neighbourhood solve) -> the stage (backward
@@ -448,6 +454,8 @@ class _Model:
                     else:
                         before[t].append((s, nbytes, var))
         self.total_bytes = total + p.storages_bytes(self.user_storages)
+        at = self.kept_stage
+        self.kept_terms = [(b, v) for _, b, v in before[at]] if at < T else []
         for t in range(T):
             self._tick()
             lp += (
@@ -531,6 +539,9 @@ class _Model:
         self.tie_max = sum(tie.values())
         """Largest value the tie-break can add to the objective (subtracted from bounds)."""
         small = pulp.lpSum(w * self.s[n] for n, w in tie.items())
+        if self.kept_weight:
+            w = self.scale * self.kept_weight
+            cost += pulp.lpSum(w * b * v for b, v in self.kept_terms)
         self.lp += self.budget_var if budget is None else cost + small
         self.binaries = len({id(v) for v in self.R.values()}) + len(self.s) - len(self.fold)
 
@@ -665,6 +676,28 @@ def exact(
     if free is not None and start is None:
         raise ValueError("a neighbourhood solve (free=...) needs a start plan that fits")
     return _solve(problem, budget_bytes, config, start, free)
+
+
+def kept_tradeoff(
+    problem: Problem, weight: float, config: SolverConfig, *, stage: int = 0
+) -> tuple[float, int] | None:
+    """A lower bound, in seconds, on ``recompute_s + weight * kept`` over every plan of
+    ``problem``, where ``kept`` is the bytes of forward values live before the recomputations
+    of the backward's ``stage``-th stage (its ``stage``-th op that reads a forward value; at
+    0, what the plan keeps for the backward), and the bytes the solver's best plan keeps
+    there; ``None`` if nothing was proven in ``config.time_limit_s``. No budget, and the model
+    without its moment cuts: a relaxation, so its dual bound holds for every plan. Why: over
+    ``weight`` these are tangents below the least recompute for each bound on what is kept
+    (:mod:`remat.solver.fronts`), valid whether that staircase is convex or not."""
+    comp = compress(problem)
+    budget = 4 * sum(problem.storage_bytes.values()) + 1
+    model = _Model(comp.problem, budget, comp.fold, kept_weight=weight, kept_stage=stage)
+    model.lp.solve(backend(config, max(1.0, config.time_limit_s), {}, probing=False))
+    raw = best_bound(model.lp)
+    if raw is None or not math.isfinite(raw):
+        return None
+    kept = sum(b * (v.value() or 0.0) for b, v in model.kept_terms)
+    return max(0.0, (raw - model.tie_max) / model.scale), round(kept)
 
 
 def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) -> Plan:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from hypothesis import assume, given, settings
 
-from remat.problem import Problem
+import remat.solver.bound as bound_module
+from remat.problem import Problem, Role
 from remat.solver.bound import backward_bound, backward_moments
 from remat.solver.config import SolverConfig
 from remat.solver.registry import solve
+from tests.solver.builders import external, op, problem
 from tests.solver.test_exact import brute_force, exhaustive, optimum
 from tests.solver.test_schedule_properties import problems
 from tests.solver.test_solvers import _layers
@@ -56,3 +58,42 @@ def test_the_backward_moments_make_the_bound_the_optimum_on_a_chain() -> None:
     exact = solve(prob, solver="exact", budget_bytes=budgets[0], config=CONFIG)
     # recompute_time_s: the cost model's estimate of the plan, never a clock.
     assert abs(bounds[0] - exact.recompute_time_s) <= 1e-9 * max(1.0, exact.recompute_time_s)
+
+
+def _viewed() -> Problem:
+    """``a`` (costly) is read by the backward only through its view ``av``, after ``gb``,
+    whose moment is where memory is tight (``gb``'s 3 MiB are freed before ``av`` is read)."""
+    return problem(
+        [
+            external("x", Role.INPUT),
+            external("w"),
+            op("a", Role.FORWARD, ("x", "w"), alloc=2, flops=100),
+            op("av", Role.FORWARD, ("a",), view_of="a"),
+            op("b", Role.FORWARD, ("a",), flops=1),
+            op("out", Role.FORWARD, ("b",), flops=1),
+            op("t", Role.TANGENT),
+            op("gb", Role.BACKWARD, ("t", "b"), alloc=3),
+            op("gc", Role.BACKWARD, ("gb",)),
+            op("ga", Role.BACKWARD, ("gc", "av")),
+            op("gw", Role.BACKWARD, ("ga", "x")),
+        ],
+        user_outputs=("out",),
+        grads=("gw",),
+    )
+
+
+def test_a_saved_value_holds_its_storage_until_its_views_are_read(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Saving ``a`` instead of its view ``av`` holds the same storage until ``av`` is read:
+    with that rule the bound is the optimum at every budget; without it, a plan saving ``a``
+    looks free at ``gb``'s moment and the bound falls below the optimum at one."""
+    prob = _viewed()
+    results = brute_force(prob)
+    budgets = sorted({peak for _, peak in results})
+    optima = [optimum(results, b) for b in budgets]
+    bounds = [backward_bound(prob, b, CONFIG) for b in budgets]
+    for bound, best in zip(bounds, optima, strict=True):
+        assert bound is not None and best is not None
+        assert abs(bound - best) <= 1e-9 * max(1.0, best)
+    monkeypatch.setattr(bound_module, "view_reads", lambda problem, last: dict(last))
+    looser = [backward_bound(prob, b, CONFIG) for b in budgets]
+    assert any(x is not None and x < b - 1e-9 for x, b in zip(looser, bounds, strict=True))

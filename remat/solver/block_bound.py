@@ -1,0 +1,350 @@
+"""A floor from the blocks' exact fronts: the backward's first moments as a knapsack.
+
+:func:`remat.solver.bound.backward_bound` gives each forward value a binary and no time index,
+so it cannot see what a recomputation holds while it runs, nor that a value saved only to
+recompute another is held until then: on a 7B Llama it lets the residual stream be recomputed
+from nothing at the loss, and stays 1.2x below the chain solver's plan. But before the
+backward reaches the first block (the loss, the head: the *head moments*), every block holds
+what it kept, and what a block keeps against what it recomputes is a trade-off inside the
+block alone: its front (:mod:`remat.solver.fronts`). So every plan that fits ``B`` satisfies,
+at each head moment ``t``,
+
+    bytes(live at t whatever the plan) + bytes(values outside the blocks saved, needed after t)
+        + sum over blocks of bytes(what the block keeps) <= B,
+
+and at the backward's start the same with every saved value outside the blocks; and each
+block recomputes at least what its front says for what it keeps. The front enters as
+tangents, lines below it (one MILP solve each, valid whether it is convex or not): every
+class of identical blocks becomes its blocks' total kept bytes ``K`` and total recompute
+``C >= n * g - w * K`` for each tangent ``(w, g)``. Values outside the blocks keep one binary
+each, as in the moments bound. The MILP is small, and its dual bound holds for every plan.
+
+One case needs care: a head moment's recomputation can reach into the blocks (the head
+recomputes the logits from the last block's output, which, unsaved, is recomputed from that
+block's values, and so on down the residual stream). A value a block saved only for that is
+then freed before the moment, and what the block holds there is no longer what it kept. So
+the MILP follows the head's own recomputation (what it has recomputed by each moment, a
+closure over the outside values) and, from the first moment by which it has recomputed a value
+read from a block, counts the blocks it may have reached by what they hold once their outputs
+are recomputed: the front of :func:`~remat.solver.fronts.kept_problem`'s ``after`` variant.
+
+The tangents' weights are bisected towards the one touching the front where the knapsack's
+optimum keeps, round by round while the time lasts; each round's bound is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import pulp
+
+from remat.problem import Problem, Role
+from remat.solver.backend import backend, best_bound, objective_scale
+from remat.solver.bound import backward_moments, read_span
+from remat.solver.config import SolverConfig
+from remat.solver.fixed import must_save
+from remat.solver.fronts import KeptProblem, Tangent, kept_problem, tangent
+from remat.solver.plan import Proof, make_plan
+from remat.solver.structure import Structure, find_structure
+
+ROUNDS = 8
+"""Tangents per class at most: each is one solve of the block's MILP relaxation, and the
+weights are bisected towards the one that touches the front where the knapsack keeps."""
+POINT_S = 10.0
+"""At most this long for one tangent."""
+UNIT = 1e6
+"""Bytes per unit of memory in the knapsack: in bytes, its rows' coefficients span ~1e-3 to
+~1e10 and HiGHS reported an "optimal" solution far from it (a bound above a fitting plan)."""
+MAX_CLASSES = 4
+"""Beyond this many classes of blocks the fronts cost more than they give: no bound."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Knapsack:
+    bound_s: float
+    kept: tuple[float | None, ...]
+    """Per class, the bytes one of its blocks keeps on average in the optimum (``None``:
+    no block there), before the head's recomputation reaches into the blocks..."""
+    kept_after: tuple[float | None, ...]
+    """...and, of the blocks it reaches, after."""
+
+
+def head_moments(problem: Problem, structure: Structure) -> list[int]:
+    """The backward ops that run before any block's backward and before any backward op
+    reads a block's forward value (their indices among the backward ops)."""
+    backward = [v for v in problem.values if v.role is Role.BACKWARD]
+    first_read, _ = read_span(problem, backward)
+    index = {v.name: k for k, v in enumerate(backward)}
+    starts = [index[n] for b in structure.blocks for n in b.backward]
+    starts += [first_read[n] for b in structure.blocks for n in b.forward if n in first_read]
+    return list(range(min(starts, default=0)))
+
+
+def block_bound(
+    problem: Problem,
+    budget_bytes: int,
+    config: SolverConfig,
+    *,
+    structure: Structure | None = None,
+    rounds: int = ROUNDS,
+) -> float | None:
+    """Seconds of recomputation every plan of ``problem`` (remat's executor) that fits
+    ``budget_bytes`` needs at least, from its blocks' fronts, in ``config.time_limit_s``;
+    ``None`` where the problem has no blocks, no head moment, too many classes, or the time
+    was too short for any front."""
+    if problem.executor != "graph":
+        return None
+    deadline = time.perf_counter() + config.time_limit_s
+    structure = structure or find_structure(problem)
+    heads = head_moments(problem, structure)
+    if not structure.blocks or not heads or len(structure.classes) > MAX_CLASSES:
+        return None
+
+    def per_solve() -> SolverConfig:
+        left = deadline - time.perf_counter()
+        return dataclasses.replace(config, time_limit_s=max(1.0, min(POINT_S, left)))
+
+    kps = []
+    for c in structure.classes:
+        kp = kept_problem(problem, structure.blocks[c[0]])
+        assert kp is not None  # only the ``after`` variant can be missing
+        kps.append(kp)
+    afters = [kept_problem(problem, structure.blocks[c[0]], after=True) for c in structure.classes]
+    moments = backward_moments(problem, at=heads)
+    fronts = [_Front(kp, after, _first_weight(kp)) for kp, after in zip(kps, afters, strict=True)]
+    best: float | None = None
+    reached = [True] * len(fronts)  # whether the last knapsack has blocks the head reaches
+    for _ in range(rounds):
+        for front, after in zip(fronts, reached, strict=True):
+            if time.perf_counter() >= deadline:
+                return best
+            front.extend(per_solve, after=after or not front.after_lines)
+        if not all(f.lines for f in fronts):
+            continue
+        left = max(1.0, deadline - time.perf_counter())
+        found = _knapsack(problem, budget_bytes, structure, moments, fronts, config, left)
+        if found is None:
+            return best
+        best = found.bound_s if best is None else max(best, found.bound_s)
+        if config.progress:
+            n = sum(len(f.lines) + len(f.after_lines) for f in fronts)
+            config.progress(f"block bound: {best * 1e3:.4g} ms from {n} tangents")
+        for front, each, each_after in zip(fronts, found.kept, found.kept_after, strict=True):
+            front.aim(each, each_after)
+        reached = [each is not None for each in found.kept_after]
+    return best
+
+
+class _Front:
+    """A class's tangents, before and after the head's recomputation reaches into the blocks
+    (module docstring), and the weights of the next ones: bisected so that they touch the
+    front where the knapsack's blocks keep."""
+
+    def __init__(self, kp: KeptProblem, after: KeptProblem | None, weight: float) -> None:
+        self.kp, self.after = kp, after
+        self.lines: list[Tangent] = []
+        self.after_lines: list[Tangent] = []
+        self.weights = [weight, weight]
+        self.brackets = [[0.0, math.inf], [0.0, math.inf]]
+
+    def extend(self, per_solve: Callable[[], SolverConfig], *, after: bool) -> None:
+        """One more tangent at each weight (``after``: of the reached blocks too; their
+        tangents cannot raise the bound while the knapsack reaches none)."""
+        for j, (kp, lines) in enumerate(((self.kp, self.lines), (self.after, self.after_lines))):
+            if kp is not None and (j == 0 or after):
+                line = tangent(kp, self.weights[j], per_solve())
+                if line is not None:
+                    lines.append(line)
+
+    def aim(self, each: float | None, each_after: float | None) -> None:
+        """A tangent touching where a block keeps more than the knapsack's share weighs kept
+        bytes too little: weigh them more next time (less where it touches below)."""
+        for j, (lines, share) in enumerate(((self.lines, each), (self.after_lines, each_after))):
+            if not lines or share is None:
+                continue
+            lo, hi = self.brackets[j]
+            w = lines[-1].weight
+            if lines[-1].kept > share:
+                lo = max(lo, w)
+            else:
+                hi = min(hi, w)
+            self.brackets[j] = [lo, hi]
+            self.weights[j] = 2 * lo if math.isinf(hi) else (lo + hi) / 2 if lo else hi / 2
+
+
+def _first_weight(kp: KeptProblem) -> float:
+    """The front's average slope: recomputing everything that can be, over keep-all's kept."""
+    least = make_plan(
+        kp.problem, must_save(kp.problem), solver="", reason="", proof=Proof.HEURISTIC
+    )
+    return least.recompute_time_s / max(1, kp.most)
+
+
+def _knapsack(
+    problem: Problem,
+    budget: int,
+    structure: Structure,
+    moments: Sequence,
+    fronts: Sequence[_Front],
+    config: SolverConfig,
+    time_limit_s: float,
+) -> _Knapsack | None:
+    """The MILP of the module docstring; ``None`` if it proved nothing."""
+    values = problem.by_name
+    in_block = {n for b in structure.blocks for n in b.forward}
+    owned = {s for n in in_block for s in values[n].allocates}
+    outside = sorted(n for n in problem.forward_names if n not in in_block)
+    held = {s for n in problem.user_outputs for s in values[n].storages}
+    held |= {s for v in problem.values if v.role is Role.TANGENT for s in v.storages}
+    nbytes = {s: b / UNIT for s, b in problem.storage_bytes.items()}
+    scale = objective_scale([values[n].time_s for n in problem.forward_names])
+    lp = pulp.LpProblem("block_bound", pulp.LpMinimize)
+    saved = {n: lp.add_variable(f"s{k}", 0, 1, cat=pulp.LpBinary) for k, n in enumerate(outside)}
+    redo = {
+        n: lp.add_variable(f"r{k}", 0, 0 if values[n].random else 1) for k, n in enumerate(outside)
+    }
+    cost = [scale * values[n].time_s * redo[n] for n in outside]
+    for n in problem.backward_reads:
+        if n in saved:
+            lp += saved[n] + redo[n] >= 1
+    for n in outside:
+        for i in values[n].inputs:
+            if i in saved:  # a block's value is the block's to keep (its front pays for it)
+                lp += saved[i] + redo[i] >= redo[n]
+    classes = [_ClassVars(lp, ci, len(cls), f, scale) for ci, (cls, f) in enumerate(
+        zip(structure.classes, fronts, strict=True))]  # fmt: skip
+    cost += [c.cost for c in classes]
+    most = sum(
+        len(cls) * problem.storages_bytes({s for n in structure.blocks[cls[0]].forward
+                                           for s in values[n].allocates})
+        for cls in structure.classes
+    ) / UNIT  # fmt: skip
+    lp += pulp.lpSum(cost)
+    before = pulp.lpSum([c.kept for c in classes] + [c.reached_before for c in classes])
+    live: dict[str, pulp.LpVariable] = {}
+    for n in outside:
+        for s in values[n].storages:
+            if s in held or s in owned or not nbytes.get(s, 0):
+                continue
+            if s not in live:
+                live[s] = lp.add_variable(f"m{len(live)}", 0, 1)
+            lp += live[s] >= saved[n]
+    fixed0 = problem.storages_bytes(held)
+    lp += pulp.lpSum(nbytes[s] * x for s, x in live.items()) + before <= (budget - fixed0) / UNIT
+    pulled = _pulls(problem, lp, saved, redo, in_block, moments)
+    for c in classes:  # blocks the head's recomputation reaches exist only once it does
+        lp += c.reached <= c.size * pulled[-1]
+    any_saved: dict[tuple[str, tuple[str, ...]], pulp.LpVariable] = {}
+    for m, pull in zip(moments, pulled, strict=True):
+        fixed = m.fixed_bytes - problem.storages_bytes(m.fixed & owned)
+        terms = []
+        for s, on in m.later:
+            mine = tuple(n for n in on if n in saved)
+            if s in held or s in owned or not mine:
+                continue
+            x = any_saved.get((s, mine))
+            if x is None:
+                x = any_saved[(s, mine)] = lp.add_variable(f"q{len(any_saved)}", 0, 1)
+                for n in mine:
+                    lp += x >= saved[n]
+            terms.append(nbytes[s] * x)
+        now = []
+        for j, c in enumerate(classes):  # the reached blocks' bytes: before, or after
+            z = lp.add_variable(f"z{j}_{m.index}", 0)
+            lp += z >= c.reached_after
+            lp += z >= c.reached_before - most * pull
+            now.append(z)
+        room = (budget - fixed) / UNIT
+        lp += pulp.lpSum(terms) + pulp.lpSum([c.kept for c in classes] + now) <= room
+    lp.solve(backend(config, time_limit_s, {}))
+    if pulp.LpStatus[lp.status] == "Infeasible":
+        return None
+    raw = best_bound(lp)
+    if raw is None or not math.isfinite(raw):
+        return None
+    return _Knapsack(
+        max(0.0, raw) / scale,
+        tuple(c.share(c.kept, c.size - (c.reached.value() or 0.0)) for c in classes),
+        tuple(c.share(c.reached_after, c.reached.value() or 0.0) for c in classes),
+    )
+
+
+class _ClassVars:
+    """One class of blocks in the knapsack: how many the head's recomputation reaches, and
+    the bytes the others keep, the reached ones keep before it and hold after it, each group's
+    cost above every tangent (``size`` blocks, ``scale``: the objective's units per second;
+    bytes in :data:`UNIT`, so a tangent's weight, ~1e-12 s/B, is a coefficient near 1)."""
+
+    def __init__(self, lp: pulp.LpProblem, ci: int, size: int, front: _Front, scale: float):
+        self.size = size
+        self.reached = lp.add_variable(f"nB{ci}", 0, size)
+        self.kept = lp.add_variable(f"K{ci}", 0)
+        self.reached_before = lp.add_variable(f"KB{ci}", 0)
+        self.reached_after = lp.add_variable(f"KBa{ci}", 0)
+        rest = lp.add_variable(f"C{ci}", 0)
+        reached = lp.add_variable(f"CB{ci}", 0)
+        for t in front.lines:  # every block lies on or above each tangent
+            lp += rest >= scale * ((size - self.reached) * t.bound_s - t.weight * UNIT * self.kept)
+            lp += reached >= scale * (
+                self.reached * t.bound_s - t.weight * UNIT * self.reached_before
+            )
+        for t in front.after_lines:
+            lp += reached >= scale * (
+                self.reached * t.bound_s - t.weight * UNIT * self.reached_after
+            )
+        if front.after is None:  # nothing outside reads the block: never reached
+            lp += self.reached == 0
+        self.cost = rest + reached
+
+    @staticmethod
+    def share(kept: pulp.LpVariable, blocks: float) -> float | None:
+        return UNIT * (kept.value() or 0.0) / blocks if blocks > 0.5 else None
+
+
+def _pulls(
+    problem: Problem,
+    lp: pulp.LpProblem,
+    saved: dict[str, pulp.LpVariable],
+    redo: dict[str, pulp.LpVariable],
+    in_block: set[str],
+    moments: Sequence,
+) -> list[pulp.LpVariable]:
+    """Per head moment, a variable that is 1 once the head has recomputed, by then, an
+    outside value read from a block (so a block's value may have been recomputed and a value
+    it kept only for that freed). What the head has recomputed by moment ``k`` is a closure:
+    a value read by a backward op up to ``k`` and not saved, and the unsaved inputs of one."""
+    values, users = problem.by_name, problem.users
+    backward = [v for v in problem.values if v.role is Role.BACKWARD]
+    first_read, _ = read_span(problem, backward)
+    order = [v.name for v in reversed(problem.values) if v.name in saved]
+    out: list[pulp.LpVariable] = []
+    for j, m in enumerate(moments):
+        read = {n for n in saved if first_read.get(n, m.index + 1) <= m.index}
+        closure = set()
+        stack = list(read)
+        while stack:
+            n = stack.pop()
+            if n not in closure:
+                closure.add(n)
+                stack.extend(i for i in values[n].inputs if i in saved)
+        pull = lp.add_variable(f"p{j}", 0, 1)
+        if out:
+            lp += pull >= out[-1]
+        by_k: dict[str, pulp.LpVariable] = {}
+        for n in order:
+            if n not in closure or values[n].random:
+                continue
+            c = by_k[n] = lp.add_variable(f"c{j}_{len(by_k)}", 0, 1)
+            if n in read:
+                lp += c >= 1 - saved[n]
+            for u in users[n]:
+                if u in by_k:
+                    lp += c >= by_k[u] - saved[n]
+            lp += redo[n] >= c
+            if any(i in in_block for i in values[n].inputs):
+                lp += pull >= c
+        out.append(pull)
+    return out
