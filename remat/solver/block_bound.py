@@ -43,7 +43,7 @@ import pulp
 
 from remat.problem import Problem, Role
 from remat.solver.backend import backend, best_bound, objective_scale
-from remat.solver.bound import backward_moments, read_span
+from remat.solver.bound import Moment, backward_moments, read_span
 from remat.solver.config import SolverConfig
 from remat.solver.fixed import must_save
 from remat.solver.fronts import KeptProblem, Tangent, kept_problem, tangent
@@ -187,7 +187,7 @@ def _knapsack(
     problem: Problem,
     budget: int,
     structure: Structure,
-    moments: Sequence,
+    moments: Sequence[Moment],
     fronts: Sequence[_Front],
     config: SolverConfig,
     time_limit_s: float,
@@ -310,7 +310,7 @@ def _pulls(
     saved: dict[str, pulp.LpVariable],
     redo: dict[str, pulp.LpVariable],
     in_block: set[str],
-    moments: Sequence,
+    moments: Sequence[Moment],
 ) -> list[pulp.LpVariable]:
     """Per head moment, a variable that is 1 once the head has recomputed, by then, an
     outside value read from a block (so a block's value may have been recomputed and a value

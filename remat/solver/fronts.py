@@ -49,7 +49,8 @@ class KeptProblem:
     0, the backward's start; 1, after the outside reads (:func:`kept_problem`'s ``after``)."""
 
     def kept(self, plan: Plan) -> int:
-        """The bytes ``plan`` (of :attr:`problem`) keeps when its backward starts."""
+        """The bytes ``plan`` (of :attr:`problem`) keeps when its backward starts (before the
+        outside reads, whatever :attr:`stage`)."""
         at = next(t for t in plan.simulation.timeline if t.name == "output gradients")
         return at.allocated_bytes - self.fixed_bytes
 
@@ -99,9 +100,6 @@ class Tangent:
     kept: int
     """What the solver's best plan at this weight keeps (where the line touches the front,
     when that plan is optimal): the next weight is chosen from it."""
-
-    def at(self, kept: float) -> float:
-        return self.bound_s - self.weight * kept
 
 
 def tangent(kp: KeptProblem, weight: float, config: SolverConfig) -> Tangent | None:
