@@ -46,7 +46,7 @@ from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.bound import Moment, backward_moments, read_span
 from remat.solver.config import SolverConfig
 from remat.solver.fixed import must_save
-from remat.solver.fronts import KeptProblem, Tangent, kept_problem, tangent
+from remat.solver.fronts import OUTSIDE_READS, KeptProblem, Tangent, kept_problem, tangent
 from remat.solver.plan import Proof, make_plan
 from remat.solver.structure import Structure, find_structure
 
@@ -112,9 +112,26 @@ def block_bound(
         kp = kept_problem(problem, structure.blocks[c[0]])
         assert kp is not None  # only the ``after`` variant can be missing
         kps.append(kp)
-    afters = [kept_problem(problem, structure.blocks[c[0]], after=True) for c in structure.classes]
+    fed = _read_from_blocks(problem, structure)
+    reachable: list[bool] = []
+    afters: list[KeptProblem | None] = []
+    for c in structure.classes:
+        # The head reaches a block through the values outside ones read. What a reached block
+        # holds is its ``after`` front only if it is reached all at once (one such value: the
+        # head's first recomputation of it reaches every block it ever reaches) and that value
+        # is one the front recomputes (read by a backward op outside the block). Otherwise a
+        # reached block counts for nothing once the head has reached into the blocks.
+        mine = {structure.correspondence(k, c[0])[n] for k in c for n in fed
+                if n in structure.blocks[k].forward}  # fmt: skip
+        variant = kept_problem(problem, structure.blocks[c[0]], after=True)
+        reads = set(variant.problem.by_name[OUTSIDE_READS].inputs) if variant else set()
+        reachable.append(bool(mine))
+        afters.append(variant if len(fed) == 1 and mine <= reads else None)
     moments = backward_moments(problem, at=heads)
-    fronts = [_Front(kp, after, _first_weight(kp)) for kp, after in zip(kps, afters, strict=True)]
+    fronts = [
+        _Front(kp, after, _first_weight(kp), can)
+        for kp, after, can in zip(kps, afters, reachable, strict=True)
+    ]
     best: float | None = None
     reached = [True] * len(fronts)  # whether the last knapsack has blocks the head reaches
     for _ in range(rounds):
@@ -143,8 +160,10 @@ class _Front:
     (module docstring), and the weights of the next ones: bisected so that they touch the
     front where the knapsack's blocks keep."""
 
-    def __init__(self, kp: KeptProblem, after: KeptProblem | None, weight: float) -> None:
-        self.kp, self.after = kp, after
+    def __init__(
+        self, kp: KeptProblem, after: KeptProblem | None, weight: float, reachable: bool
+    ) -> None:
+        self.kp, self.after, self.reachable = kp, after, reachable
         self.lines: list[Tangent] = []
         self.after_lines: list[Tangent] = []
         self.weights = [weight, weight]
@@ -173,6 +192,19 @@ class _Front:
                 hi = min(hi, w)
             self.brackets[j] = [lo, hi]
             self.weights[j] = 2 * lo if math.isinf(hi) else (lo + hi) / 2 if lo else hi / 2
+
+
+def _read_from_blocks(problem: Problem, structure: Structure) -> set[str]:
+    """The blocks' forward values that forward values outside the blocks read."""
+    values = problem.by_name
+    in_block = {n for b in structure.blocks for n in b.forward}
+    return {
+        i
+        for n in problem.forward_names
+        if n not in in_block
+        for i in values[n].inputs
+        if i in in_block
+    }
 
 
 def _first_weight(kp: KeptProblem) -> float:
@@ -254,7 +286,8 @@ def _knapsack(
         now = []
         for j, c in enumerate(classes):  # the reached blocks' bytes: before, or after
             z = lp.add_variable(f"z{j}_{m.index}", 0)
-            lp += z >= c.reached_after
+            if c.front.after is not None:
+                lp += z >= c.reached_after
             lp += z >= c.reached_before - most * pull
             now.append(z)
         room = (budget - fixed) / UNIT
@@ -295,7 +328,8 @@ class _ClassVars:
             lp += reached >= scale * (
                 self.reached * t.bound_s - t.weight * UNIT * self.reached_after
             )
-        if front.after is None:  # nothing outside reads the block: never reached
+        self.front = front
+        if not front.reachable:  # nothing outside the blocks reads this class: never reached
             lp += self.reached == 0
         self.cost = rest + reached
 

@@ -26,7 +26,9 @@ from tests.solver.test_exact import brute_force, optimum
 CONFIG = SolverConfig(time_limit_s=30)
 
 
-def _stack(n: int, sizes: tuple[int, int, int, int], flops: tuple[int, int, int]) -> Problem:
+def _stack(
+    n: int, sizes: tuple[int, int, int, int], flops: tuple[int, int, int], both: bool = False
+) -> Problem:
     """``n`` blocks ``layers.i`` (a matmul-like ``a``, an activation ``m`` read by nothing
     but the residual add, the residual ``h`` read by the next block's backward and the head),
     under a head ``y`` whose backward reads the last residual: what a transformer's loss
@@ -44,7 +46,8 @@ def _stack(n: int, sizes: tuple[int, int, int, int], flops: tuple[int, int, int]
         ):
             specs.append((replace(v, module_stack=stack), s))
         prev = f"h{i}"
-    specs.append(op("y", Role.FORWARD, (prev, "w2"), alloc=sy, flops=fy))  # the logits
+    inputs = (prev, f"h{n - 2}", "w2") if both else (prev, "w2")  # both: two blocks read
+    specs.append(op("y", Role.FORWARD, inputs, alloc=sy, flops=fy))  # the logits
     specs.append(op("loss", Role.FORWARD, ("y",), flops=1))
     specs.append(op("t", Role.TANGENT))
     specs.append(op("gt", Role.BACKWARD, ("t", "y"), alloc=sy))  # reads the logits first
@@ -149,3 +152,18 @@ def test_a_tangent_is_below_every_plan_of_the_block_and_touches_the_best() -> No
         assert line.bound_s <= best + 1e-9 * max(1.0, best)
         cheapest = min(v.time_s for v in kp.problem.values if v.time_s > 0)
         assert line.bound_s == pytest.approx(best, abs=1e-3 * cheapest)
+
+
+@pytest.mark.parametrize("sizes", [(2, 1, 1, 2), (1, 3, 1, 2)])
+def test_a_head_reading_two_blocks_still_gets_a_floor_below_the_optimum(
+    sizes: tuple[int, int, int, int],
+) -> None:
+    """With two block values read by the head, the blocks it reaches count for nothing once it
+    does (they need not be reached at once): still below the optimum at every budget."""
+    prob = _stack(3, sizes, (50, 10, 40), both=True)
+    results = brute_force(prob)
+    for budget in sorted({peak for _, peak in results}):
+        best = optimum(results, budget)
+        bound = block_bound(prob, budget, CONFIG, rounds=3)
+        assert best is not None and bound is not None
+        assert bound <= best + 1e-9 * max(1.0, best)
