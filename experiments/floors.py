@@ -15,20 +15,16 @@ can be above the optimum. Writes experiments/results/floors_gpt2_small.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import time
-from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
+from rows import save, show  # a sibling module (experiments/ is on sys.path)
 
 import remat
 from remat.solver.bound import backward_bound
 from remat.solver.config import SolverConfig
 from remat.solver.registry import least_peak, solve
 
-RESULTS = Path(__file__).parent / "results"
 BUDGETS = 5
 """As chain_gap.py: from the chain's least peak to keep-all's; all but keep-all's are kept
 (where the plan recomputes nothing)."""
@@ -71,19 +67,9 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
-    table = Table(title="GPT-2 small: chain plans and their floors (recompute ms)")
-    for c in rows[0]:
-        table.add_column(c, justify="right")
-    for r in rows:
-        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()))
-    Console().print(table)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "floors_gpt2_small.csv"
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {out}")
+    shown = [{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    show(shown, "GPT-2 small: chain plans and their floors (recompute ms)")
+    print(f"wrote {save(rows, 'floors_gpt2_small.csv')}")
 
 
 if __name__ == "__main__":
