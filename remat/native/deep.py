@@ -13,6 +13,15 @@ with ``B = v(6, 3) - v(6, 2)`` and ``C = v(6, 2) - v(5, 2)``, and since it is af
 its maximum over the middle blocks is at ``k = 2`` or ``k = L - 3``: those two moments stand
 for all of them. Each op's time is counted once per block it runs in.
 
+One block more (``C``) or one block further (``B``) adds, at each moment, either what a block
+holds whatever the shape (its parameters' and gradients' shards) or that plus the activations
+it saves (a block before the moment that has not run its backward): ``c + d * held`` with
+``c`` a constant, ``d`` 0 or 1 and ``held`` the bytes a middle block saves at the shape. So
+the 6-block copy is traced at two shapes of each range, which give every moment's ``c`` and
+``d`` (:func:`increments`), and elsewhere synthesized from the 5-block copy's trace there
+(:func:`larger`); a moment the two shapes do not fit this way has the 6-block copy traced at
+every shape.
+
 Nothing here is trusted unchecked: the copies' steps must match op for op, and the caller
 (:func:`remat.native.formula.native_dynamic`) compares the result with a trace of the deep
 model itself at the example's shape; a mismatch falls back to tracing the deep model.
@@ -20,15 +29,17 @@ model itself at the example's shape; a mismatch falls back to tracing the deep m
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from remat.native.dynamic import Sample, moments
 from remat.native.trace import OpEvent, StepTrace
 from remat.solver.chain import ChainCosts, ChainCostsBuilder
 from remat.solver.formula import FitError
 
-__all__ = ["EDGE", "SHALLOW", "deep_sample"]
+__all__ = ["EDGE", "SHALLOW", "CopyStep", "Increments", "deep_sample", "increments", "larger"]
 
 EDGE = 2
 """Blocks at each end of the stack that differ from the middle ones."""
@@ -36,6 +47,7 @@ SHALLOW = (2 * EDGE + 1, 2 * EDGE + 2)
 """Blocks of the two copies: one middle block, then two."""
 
 Key = tuple[object, ...]
+Keyed = dict[object, list[tuple[Key, OpEvent]]]
 
 
 def _position(block: int, layers: int) -> object:
@@ -50,14 +62,12 @@ def _position(block: int, layers: int) -> object:
     return block
 
 
-def _keyed(
-    trace: StepTrace, layers: int, events: Sequence[OpEvent] | None = None
-) -> dict[object, list[tuple[Key, OpEvent]]]:
+def _keyed(trace: StepTrace, layers: int, events: Sequence[OpEvent] | None = None) -> Keyed:
     """The trace's moments (or ``events``) grouped by position (``first``, ``last``, a
     middle block's index, ``outside``), each keyed by its phase, op and ordinal there. An op
     outside the blocks after a block's ops (in the same phase) goes with that block: FSDP2's
     hooks of the next block run there, once per block."""
-    out: dict[object, list[tuple[Key, OpEvent]]] = {}
+    out: Keyed = {}
     seen: Counter[tuple[object, str, bool]] = Counter()
     last: dict[str, int] = {}
     for e in moments(trace) if events is None else events:
@@ -70,6 +80,34 @@ def _keyed(
         seen[(pos, e.phase, inside)] += 1
         out.setdefault(pos, []).append(((e.phase, inside, e.recompute, e.op, e.key, n), e))
     return out
+
+
+@dataclass(frozen=True)
+class CopyStep:
+    """A shallow copy's step as the extrapolation reads it: its moments (or every event) by
+    position, the bytes each block saves, and its moments between ops where they are above
+    every op's (else 0: a step's maximum is a different moment at each depth). Small enough
+    to send back from a worker process."""
+
+    blocks: int
+    keyed: Keyed
+    held: tuple[int, ...]
+    unseen: int
+    """Bytes allocated between ops that no dispatch saw, where above every op's; else 0."""
+    live: int
+    """Live storages between ops, where above every op's; else 0."""
+
+    @staticmethod
+    def of(trace: StepTrace, blocks: int, *, every_event: bool = False) -> CopyStep:
+        top = max(e.allocated_bytes for e in trace.events)
+        top_tensors = max(e.tensor_bytes for e in trace.events)
+        return CopyStep(
+            blocks,
+            _keyed(trace, blocks, trace.events if every_event else None),
+            tuple(end - start for start, end in trace.forward_live),
+            trace.unseen_peak_bytes if trace.unseen_peak_bytes > top else 0,
+            trace.tensor_peak_bytes if trace.tensor_peak_bytes > top_tensors else 0,
+        )
 
 
 def _keys(events: Sequence[tuple[Key, OpEvent]]) -> list[Key]:
@@ -95,34 +133,117 @@ def _affine(
     return int(getattr(v, field) + extra * (getattr(deeper, field) - getattr(v, field)) + further)
 
 
+def _copy_step(x: StepTrace | CopyStep, blocks: int, every_event: bool) -> CopyStep:
+    return x if isinstance(x, CopyStep) else CopyStep.of(x, blocks, every_event=every_event)
+
+
 def _matched(
-    small: StepTrace, large: StepTrace, *, every_event: bool
-) -> tuple[
-    dict[object, list[tuple[Key, OpEvent]]], dict[object, list[tuple[Key, OpEvent]]], list[int]
-]:
+    small: StepTrace | CopyStep, large: StepTrace | CopyStep, *, every_event: bool
+) -> tuple[CopyStep, CopyStep]:
     """The copies' moments (``every_event``: all their events) by position, checked to
-    match op for op, and the bytes each of the smaller copy's blocks saves (the larger's
-    must be the same with one more middle block)."""
-    n_small, n_large = SHALLOW
-    s = _keyed(small, n_small, small.events if every_event else None)
-    g = _keyed(large, n_large, large.events if every_event else None)
+    match op for op, and that their blocks save the same bytes (the larger's one more middle
+    block)."""
+    s, g = (_copy_step(x, n, every_event) for x, n in zip((small, large), SHALLOW, strict=True))
     for pos in ENDS:
-        _check(f"{pos}", s.get(pos, []), g.get(pos, []))
+        _check(f"{pos}", s.keyed.get(pos, []), g.keyed.get(pos, []))
     for k in (EDGE, EDGE + 1):
-        _check(f"middle block {k}", s[EDGE], g[k])
-    held = [end - start for start, end in small.forward_live]
-    if [end - start for start, end in large.forward_live] != [*held[: EDGE + 1], *held[EDGE:]]:
+        _check(f"middle block {k}", s.keyed[EDGE], g.keyed[k])
+    if list(g.held) != [*s.held[: EDGE + 1], *s.held[EDGE:]]:
         raise FitError("the shallow copies' blocks save different bytes: not equal blocks")
-    return s, g, held
+    return s, g
 
 
-def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
+Slot = tuple[object, int]
+"""A moment of the larger copy: its position (one of :data:`ENDS`, or :data:`EDGE` and
+``EDGE + 1`` for the middle blocks) and its index there."""
+Increment = tuple[int, int, int, int]
+"""``(c, d)`` at the allocator, then ``(c, d)`` as tensors: the larger copy's bytes at a slot
+are the smaller's plus ``c + d * held`` (:data:`EDGE + 1` over the larger's :data:`EDGE`)."""
+Increments = Mapping[Slot, Increment]
+
+
+def _bases(s: CopyStep, g: CopyStep) -> dict[Slot, tuple[OpEvent, OpEvent]]:
+    """Each slot's event in the larger copy and the one it adds to."""
+    out = {}
+    for pos in ENDS:
+        for i, ((_, e), (_, f)) in enumerate(
+            zip(s.keyed.get(pos, []), g.keyed.get(pos, []), strict=True)
+        ):
+            out[(pos, i)] = (e, f)
+    for i, ((_, e), (_, f1), (_, f2)) in enumerate(
+        zip(s.keyed[EDGE], g.keyed[EDGE], g.keyed[EDGE + 1], strict=True)
+    ):
+        out[(EDGE, i)] = (e, f1)
+        out[(EDGE + 1, i)] = (f1, f2)
+    return out
+
+
+def increments(
+    anchors: Sequence[tuple[StepTrace | CopyStep, StepTrace | CopyStep]],
+) -> Increments | None:
+    """Every slot's increment from both copies traced at two shapes (``(small, large)``
+    each), or None where they do not give one: the middle block saves the same bytes at
+    both, a slot's difference grows by other than 0 or a block's saved bytes, or a moment
+    between ops is above every op's."""
+    (s1, g1), (s2, g2) = (_matched(s, g, every_event=False) for s, g in anchors)
+    h1, h2 = s1.held[EDGE], s2.held[EDGE]
+    if h1 == h2 or any((x.unseen, x.live) != (0, 0) for x in (s1, g1, s2, g2)):
+        return None
+    one, two = _bases(s1, g1), _bases(s2, g2)
+    if one.keys() != two.keys():
+        return None
+    out: dict[Slot, Increment] = {}
+    for slot, (e1, f1) in one.items():
+        e2, f2 = two[slot]
+        pair: list[int] = []
+        for field in ("allocated_bytes", "tensor_bytes"):
+            d1 = getattr(f1, field) - getattr(e1, field)
+            d2 = getattr(f2, field) - getattr(e2, field)
+            if d2 - d1 == 0:
+                pair += [d1, 0]
+            elif d2 - d1 == h2 - h1:
+                pair += [d1 - h1, 1]
+            else:
+                return None
+        out[slot] = (pair[0], pair[1], pair[2], pair[3])
+    return out
+
+
+def larger(small: CopyStep, inc: Increments) -> CopyStep | None:
+    """The 6-block copy's step at ``small``'s shape, from ``small`` and the slots'
+    increments; None where ``small`` has a moment between ops above every op's (which the
+    increments do not carry)."""
+    if small.unseen or small.live:
+        return None
+    h = small.held[EDGE]
+
+    def add(e: OpEvent, slot: Slot) -> OpEvent:
+        ca, da, ct, dt = inc[slot]
+        return dataclasses.replace(
+            e,
+            allocated_bytes=e.allocated_bytes + ca + da * h,
+            tensor_bytes=e.tensor_bytes + ct + dt * h,
+        )
+
+    keyed: Keyed = {}
+    for pos in ENDS:
+        if pos in small.keyed:
+            keyed[pos] = [(k, add(e, (pos, i))) for i, (k, e) in enumerate(small.keyed[pos])]
+    first = [(k, add(e, (EDGE, i))) for i, (k, e) in enumerate(small.keyed[EDGE])]
+    keyed[EDGE] = first
+    keyed[EDGE + 1] = [(k, add(e, (EDGE + 1, i))) for i, (k, e) in enumerate(first)]
+    held = (*small.held[: EDGE + 1], *small.held[EDGE:])
+    return CopyStep(SHALLOW[1], keyed, held, 0, 0)
+
+
+def deep_sample(small: StepTrace | CopyStep, large: StepTrace | CopyStep, layers: int) -> Sample:
     """The ``layers``-block step at one shape from its copies' traces there
     (:data:`SHALLOW` blocks)."""
     n_small, n_large = SHALLOW
     if layers <= n_large:
         raise ValueError(f"a deep stack has more than {n_large} blocks, not {layers}")
-    s, g, held = _matched(small, large, every_event=False)
+    sc, gc = _matched(small, large, every_event=False)
+    s, g, held = sc.keyed, gc.keyed, sc.held
     middle = s[EDGE]
     extra = layers - n_small
 
@@ -153,20 +274,12 @@ def deep_sample(small: StepTrace, large: StepTrace, layers: int) -> Sample:
                 extrapolated(f"{e.phase}:block {k}:{e.op}#{key[-1]}", e, f1, f2, k - EDGE)
             )
 
-    def between_ops(t: StepTrace, value: int, tensor: bool) -> int:
-        """``value`` where it is a moment of its own (above every op's), else 0: a step's
-        maximum is a different moment at each depth and does not extrapolate."""
-        top = max((e.tensor_bytes if tensor else e.allocated_bytes) for e in t.events)
-        return value if value > top else 0
-
-    def affine(t: tuple[int, ...]) -> int:
+    def affine(t: tuple[int, int]) -> int:
         return t[0] + extra * (t[1] - t[0]) if any(t) else 0
 
-    unseen = tuple(between_ops(t, t.unseen_peak_bytes, False) for t in (small, large))
-    live = tuple(between_ops(t, t.tensor_peak_bytes, True) for t in (small, large))
     between = (
-        ("between ops: unseen allocations", affine(unseen), False),
-        ("between ops: live storages", affine(live), True),
+        ("between ops: unseen allocations", affine((sc.unseen, gc.unseen)), False),
+        ("between ops: live storages", affine((sc.live, gc.live)), True),
     )
     ops: list[OpEvent] = []
     weights: list[int] = []
@@ -194,7 +307,8 @@ def deep_costs(small: StepTrace, large: StepTrace, layers: int) -> ChainCosts:
     event is extrapolated (views too: a block's first op can hold its peak), as
     :func:`deep_sample` does the moments: the regions at the ends, and each middle region
     ``k``."""
-    s, g, held = _matched(small, large, every_event=True)
+    sc, gc = _matched(small, large, every_event=True)
+    s, g, held = sc.keyed, gc.keyed, sc.held
     costs = ChainCostsBuilder([*held[:EDGE], *[held[EDGE]] * (layers - 2 * EDGE), *held[-EDGE:]])
     extra = layers - SHALLOW[0]
 

@@ -40,7 +40,9 @@ __all__ = [
     "moments",
     "sample_of",
     "schedule_sample",
+    "fitted",
     "trace_dynamic",
+    "traced_units",
 ]
 
 SampleAt = Callable[[int, int | None, str, Sequence[Policy]], "Sample"]
@@ -126,27 +128,55 @@ def trace_dynamic(
         for b, s in (*r.fit, *r.check)
         for name, policies in plans.items()
     ]
+    traced = traced_units(sample_at, units, workers, progress, has_seq)
+    samples = {(b, s, name): x for (b, s, name, _), x in zip(units, traced, strict=True)}
+    return fitted(ranges, plans, dims, samples)
+
+
+def traced_units(
+    work: Callable[..., Any],
+    units: Sequence[tuple[Any, ...]],
+    workers: int | None,
+    progress: Callable[[str], None] | None,
+    has_seq: bool,
+    on: Callable[[tuple[Any, ...]], str] | None = None,
+) -> list[Any]:
+    """``work(b, s, name, ...)`` for each unit on ``workers`` processes, each announced;
+    ``on(unit)`` says what a unit is traced on (" on the 5-block copy")."""
 
     def announce(count: int) -> None:
         if progress:
             progress(f"tracing {len(units)} steps on {count} processes")
 
-    traced = []
-    for k, sample in enumerate(mapped(sample_at, units, workers, announce)):
-        traced.append(sample)
-        if progress:
-            b, s, name, _ = units[k]
-            where = f"b={b}" + (f", s={s}" if has_seq else "")
-            progress(f"traced {name} at {where} ({k + 1} of {len(units)})")
     out = []
-    samples = iter(traced)
+    for k, x in enumerate(mapped(work, units, workers, announce)):
+        out.append(x)
+        if progress:
+            b, s, name = units[k][:3]
+            where = f"b={b}" + (f", s={s}" if has_seq else "")
+            what = on(units[k]) if on is not None else ""
+            progress(f"traced {name}{what} at {where} ({k + 1} of {len(units)})")
+    return out
+
+
+def fitted(
+    ranges: Sequence[RangeShapes],
+    plans: Mapping[str, Sequence[Policy]],
+    dims: Dims,
+    samples: Mapping[tuple[int, int | None, str], Sample],
+) -> NativeDynamic:
+    """Every plan's samples (by ``(b, s, name)``, ``s`` None without a sequence) at the
+    shapes of each range, fitted."""
+    has_seq = dims.seq is not None
+    out = []
     for r in ranges:
         shapes = (*r.fit, *r.check)
-        per_plan: dict[str, list[Sample]] = {name: [] for name in plans}
-        for _ in shapes:
-            for name in plans:
-                per_plan[name].append(next(samples))
-        steps = {name: _fit_step(name, r, shapes, x) for name, x in per_plan.items()}
+        steps = {
+            name: _fit_step(
+                name, r, shapes, [samples[(b, s if has_seq else None, name)] for b, s in shapes]
+            )
+            for name in plans
+        }
         out.append(NativeRange(r, steps))
     return NativeDynamic(tuple(out), dims, {n: tuple(p) for n, p in plans.items()})
 

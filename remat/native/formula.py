@@ -11,17 +11,19 @@ from typing import Any
 from torch import nn
 
 from remat.budget import StaticMemory
-from remat.graph.dynamic import Dims, inputs_at
+from remat.graph.dynamic import Dims, inputs_at, range_shapes
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import regions
 from remat.native.api import Stage, Traced, analyze, kv_cache_off
-from remat.native.deep import SHALLOW, deep_sample
+from remat.native.deep import SHALLOW, CopyStep, deep_sample, increments, larger
 from remat.native.dynamic import (
     NativeDynamic,
     Sample,
+    fitted,
     sample_of,
     schedule_sample,
     trace_dynamic,
+    traced_units,
 )
 from remat.native.pipelining import Pipeline
 from remat.native.planner import NATIVE_PLANS, NativeProblem, fixed_policies, uniform_plans
@@ -178,20 +180,7 @@ def _deep(
                 raise FitError("the copies' menus differ from the model's")
             shallow.append((t, mine))
 
-        def sample_at(b: int, s: int | None, name: str, policies: Sequence[Policy]) -> Sample:
-            a, kw = inputs_at(args, kwargs, dims, b, s)
-            small, large = (t.trace(a, kw, mine[name]) for t, mine in shallow)
-            return deep_sample(small, large, layers)
-
-        dynamic = trace_dynamic(
-            sample_at,
-            chosen,
-            dims,
-            max_seq=request.max_seq,
-            batch=batch,
-            progress=request.progress,
-            workers=request.workers,
-        )
+        dynamic = _from_copies(shallow, chosen, dims, args, kwargs, layers, request, batch)
     b, s = dims.batch, dims.seq
     r = dynamic.range_of(b, s)
     if r is None:
@@ -209,6 +198,76 @@ def _deep(
                 f"{(full.peak_bytes, full.tensor_peak_bytes)}"
             )
     return dynamic
+
+
+_Unit = tuple[int, int | None, str, int]
+"""``(b, s, plan, copy)``: a step of one copy (0: the smaller) at one shape."""
+
+
+def _from_copies(
+    shallow: Sequence[tuple[Traced, Mapping[str, tuple[Policy, ...]]]],
+    chosen: Mapping[str, tuple[Policy, ...]],
+    dims: Dims,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    layers: int,
+    request: Request,
+    batch: int | None,
+) -> NativeDynamic:
+    """Every plan's deep step at each shape of the ranges: the 5-block copy traced at every
+    shape, the 6-block copy at two shapes of each range and synthesized from the 5-block's
+    elsewhere (:func:`remat.native.deep.larger`), or traced there too where the two shapes
+    do not give its increments (:func:`remat.native.deep.increments`)."""
+    has_seq = dims.seq is not None
+    ranges = range_shapes(dims, max_seq=request.max_seq, batch=batch)
+
+    def traced(b: int, s: int | None, name: str, which: int) -> CopyStep:
+        t, mine = shallow[which]
+        a, kw = inputs_at(args, kwargs, dims, b, s)
+        return CopyStep.of(t.trace(a, kw, mine[name]), SHALLOW[which])
+
+    def on(unit: tuple[Any, ...]) -> str:
+        return f" on the {SHALLOW[unit[3]]}-block copy"
+
+    def run(units: list[_Unit]) -> None:
+        got = traced_units(traced, units, request.workers, request.progress, has_seq, on)
+        steps.update(zip(units, got, strict=True))
+
+    shapes = [[(b, s if has_seq else None) for b, s in (*r.fit, *r.check)] for r in ranges]
+    anchors = [list(dict.fromkeys([at[0], at[-1]])) for at in shapes]
+    steps: dict[_Unit, CopyStep] = {}
+    run([(b, s, name, 0) for at in shapes for b, s in at for name in chosen]
+        + [(b, s, name, 1) for at in anchors for b, s in at for name in chosen])  # fmt: skip
+    synthesized: list[_Unit] = []
+    more: list[_Unit] = []
+    for at, two in zip(shapes, anchors, strict=True):
+        for name in chosen:
+            pairs = [(steps[(b, s, name, 0)], steps[(b, s, name, 1)]) for b, s in two]
+            inc = increments(pairs) if len(pairs) == 2 else None
+            for b, s in at:
+                unit = (b, s, name, 1)
+                if unit in steps:
+                    continue
+                synth = larger(steps[(b, s, name, 0)], inc) if inc is not None else None
+                if synth is None:
+                    more.append(unit)
+                else:
+                    steps[unit] = synth
+                    synthesized.append(unit)
+    run(more)
+    if request.progress:
+        total = sum(map(len, shapes)) * len(chosen)
+        request.progress(
+            f"{len(synthesized)} of {total} {SHALLOW[1]}-block steps synthesized from the "
+            f"{SHALLOW[0]}-block copy's"
+        )
+    samples = {
+        (b, s, name): deep_sample(steps[(b, s, name, 0)], steps[(b, s, name, 1)], layers)
+        for at in shapes
+        for b, s in at
+        for name in chosen
+    }
+    return fitted(ranges, chosen, dims, samples)
 
 
 def formula_of(dynamic: NativeDynamic, plan: str, static: StaticMemory) -> MemoryFormula:

@@ -232,6 +232,8 @@ def test_a_deep_stack_from_two_shallow_copies_is_its_own_trace() -> None:
     dynamic, _ = native_dynamic(model, args, {}, req, plans=plans, copies=build, batch=2)
     assert any("on the 12-block model" in m for m in seen)  # checked against the model
     assert not any("do not match" in m for m in seen)
+    # The 6-block copy traced at two shapes, the other 5 synthesized (remat.native.deep.larger).
+    assert "10 of 14 6-block steps synthesized from the 5-block copy's" in seen
     profile = get_profile("cpu")
     with kv_cache_off(model):
         traced, _ = analyze(model, find_blocks(model), args, {}, req, profile)
