@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -253,6 +253,15 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether one of ``tensors`` is a DTensor (:func:`is_dtensor`), asked once per op."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -55,9 +55,11 @@ class LiveMemoryMeter(tc.TorchDispatchMode):
 
     def _count(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Account the storages ``outs`` create (those not among ``ins``' or known)."""
-        inputs = {tc.storage_key(t) for t in ins}
-        for t in outs:
-            key = tc.storage_key(t)
+        self._counted({tc.storage_key(t) for t in ins}, outs, [tc.storage_key(t) for t in outs])
+
+    def _counted(self, inputs: set[int], outs: list[torch.Tensor], keys: list[int]) -> None:
+        """:meth:`_count` given the storage keys of ``ins`` (``inputs``) and of ``outs``."""
+        for t, key in zip(outs, keys, strict=True):
             if key in self._tracked or key in inputs:
                 continue  # already counted, or a view of a storage that existed before
             storage = t.untyped_storage()

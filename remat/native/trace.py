@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,6 +43,34 @@ from remat.native.pipelining import Action, Pipeline, ScheduleTrace
 from remat.native.regions import OpKey, Policy, Region
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+
+
+@dataclass(frozen=True)
+class _OpFacts:
+    """What the recorder asks of an op on every call, worked out once per op."""
+
+    name: str
+    namespace: str | None
+    collective: bool
+    """A collective whose outputs a process group's thread holds (:meth:`_Recorder._free`)."""
+    writes: bool
+    """Declares that it writes an argument, or writes one without saying so."""
+    sac_ignored: bool
+    returns_input: bool
+    """Returns its argument's storage when it really runs (:data:`tc.RETURNS_ITS_INPUT`)."""
+
+
+@functools.cache
+def _op_facts(func: Any) -> _OpFacts:
+    namespace = getattr(func, "namespace", None)
+    return _OpFacts(
+        str(func),
+        namespace,
+        namespace in regions.COLLECTIVES,
+        tc.is_mutable_op(func) or func in _UNANNOTATED_WRITES,
+        func in SAC_IGNORED_OPS,
+        func in tc.RETURNS_ITS_INPUT,
+    )
 
 
 @dataclass(frozen=True)
@@ -258,7 +287,9 @@ class _Recorder(LiveMemoryMeter):
         super()._free(key, nbytes)
 
     def storage_names(self, tensors: Sequence[torch.Tensor]) -> list[str]:
-        keys = (tc.storage_key(t) for t in tensors)
+        return self._names_of([tc.storage_key(t) for t in tensors])
+
+    def _names_of(self, keys: Sequence[int]) -> list[str]:
         return list(dict.fromkeys(self.names[k] for k in keys if k in self.names))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -267,36 +298,36 @@ class _Recorder(LiveMemoryMeter):
             # A FakeTensor's device, asked by the autograd engine after nearly every op (60%
             # of a fake step's dispatches): no bytes, no storage, ignored by SAC's policies.
             return func(*args, **kwargs)
+        op = _op_facts(func)
         before = self.live_bytes
-        if func in tc.RETURNS_ITS_INPUT and tc.is_fake(args[0]):
-            # The real op returns its argument's storage; the fake kernel a copy, which kept
-            # (a collective: :data:`remat.native.regions.COLLECTIVES`) would count twice.
-            out = args[0]
-        else:
-            out = func(*args, **kwargs)
+        # The real op returns its argument's storage; the fake kernel a copy, which kept (a
+        # collective: :data:`remat.native.regions.COLLECTIVES`) would count twice.
+        same = op.returns_input and tc.is_fake(args[0])
+        out = args[0] if same else func(*args, **kwargs)
         leaves = tc.tensor_leaves((args, kwargs)), tc.tensor_leaves(out)
         in_tensors, outs = tc.storage_tensors(leaves[0]), tc.storage_tensors(leaves[1])
-        self._count(in_tensors, outs)
-        new_bytes = self.live_bytes - before
-        ins = {tc.storage_key(t) for t in in_tensors}
+        in_keys = [tc.storage_key(t) for t in in_tensors]
         out_keys = [tc.storage_key(t) for t in outs]
+        ins = set(in_keys)
+        self._counted(ins, outs, out_keys)
+        new_bytes = self.live_bytes - before
         creates: list[str] = []
         for k in dict.fromkeys(out_keys):
             if k in self._tracked and k not in self.names:
                 name = self.names[k] = f"s{len(self.rows)}.{len(creates)}"
                 self.storage_bytes[name] = self._tracked[k]
                 creates.append(name)
-        if getattr(func, "namespace", None) in regions.COLLECTIVES:
+        if op.collective:
             self.communicated.update(creates)
-        reads = tuple((self.latest[n], n) for n in self.storage_names(in_tensors))
-        self.latest.update((n, len(self.rows)) for n in self.storage_names(outs))
-        writes = tc.is_mutable_op(func) or func in _UNANNOTATED_WRITES
-        written = _written_storages(func, args, kwargs) if writes else set()
+        reads = tuple((self.latest[n], n) for n in self._names_of(in_keys))
+        holds = self._names_of(out_keys)
+        self.latest.update((n, len(self.rows)) for n in holds)
+        written = _written_storages(func, args, kwargs) if op.writes else set()
         mutable = bool(written)
         in_block_forward = self.block >= 0 and self.phase == "forward" and not self.recompute
         key = None
-        if in_block_forward and func not in SAC_IGNORED_OPS:
-            key = (str(func), self.counts[func])
+        if in_block_forward and not op.sac_ignored:
+            key = (op.name, self.counts[func])
             self.counts[func] += 1
         outside = False
         if in_block_forward and mutable:
@@ -309,12 +340,12 @@ class _Recorder(LiveMemoryMeter):
         if in_block_forward:
             self.creator.update((k, len(self.rows)) for k in out_keys if k not in ins)
         costed = (args, kwargs, out)
-        if any(tc.is_dtensor(t) for ts in leaves for t in ts):
+        if tc.any_dtensor(leaves[0]) or tc.any_dtensor(leaves[1]):
             costed = tc.local_tensors(costed)  # tensor parallel: FLOPs of this rank's shards
         flops, moved, dtype = op_cost(func, *costed, (in_tensors, outs))
         time_s = self.profile.op_time(flops, moved, dtype)
         scratch = 0
-        if self.host and getattr(func, "namespace", None) == "c10d":
+        if self.host and op.namespace == "c10d":
             scratch = self._gloo_scratch(func, args)
         if self.host and (self.phase == "forward" or self.recompute):
             wrapped = _wrapped_number_bytes(func, args, kwargs)
@@ -325,7 +356,7 @@ class _Recorder(LiveMemoryMeter):
                 self.forward_numbers[self.block] += wrapped
         self.rows.append(
             {
-                "op": str(func),
+                "op": op.name,
                 "phase": self.phase,
                 "block": self.block,
                 "recompute": self.recompute,
@@ -338,7 +369,7 @@ class _Recorder(LiveMemoryMeter):
                 "savable": key is not None and bool(outs) and (outside or not (view or mutable)),
                 "writes_outside": outside,
                 "reads": reads,
-                "holds": tuple(self.storage_names(outs)),
+                "holds": tuple(holds),
                 "creates": tuple(creates),
                 "tensor_bytes": self.live_bytes,
                 "allocated_bytes": self.live_bytes + self.unseen_bytes + scratch,
