@@ -27,7 +27,7 @@ from remat.graph.dynamic import Dims, RangeShapes, range_shapes
 from remat.graph.profiles import DeviceProfile
 from remat.native.regions import Policy
 from remat.native.trace import OpEvent, StepTrace
-from remat.native.workers import mapped
+from remat.native.workers import Mapped, mapped
 from remat.peak_formula import RangeFormula
 from remat.solver.formula import FitError, Fitter, Monomial, Poly, StepPolynomials
 from remat.solver.formula import peak_candidates as _candidates
@@ -40,9 +40,10 @@ __all__ = [
     "moments",
     "sample_of",
     "schedule_sample",
+    "collected",
     "fitted",
+    "started",
     "trace_dynamic",
-    "traced_units",
 ]
 
 SampleAt = Callable[[int, int | None, str, Sequence[Policy]], "Sample"]
@@ -128,34 +129,45 @@ def trace_dynamic(
         for b, s in (*r.fit, *r.check)
         for name, policies in plans.items()
     ]
-    traced = traced_units(sample_at, units, workers, progress, has_seq)
+    traced = collected(started(sample_at, units, workers, progress), units, progress, has_seq)
     samples = {(b, s, name): x for (b, s, name, _), x in zip(units, traced, strict=True)}
     return fitted(ranges, plans, dims, samples)
 
 
-def traced_units(
+def started(
     work: Callable[..., Any],
     units: Sequence[tuple[Any, ...]],
     workers: int | None,
     progress: Callable[[str], None] | None,
-    has_seq: bool,
-    on: Callable[[tuple[Any, ...]], str] | None = None,
-) -> list[Any]:
-    """``work(b, s, name, ...)`` for each unit on ``workers`` processes, each announced;
-    ``on(unit)`` says what a unit is traced on (" on the 5-block copy")."""
+) -> Mapped:
+    """``work(*unit)`` for each unit on ``workers`` processes
+    (:func:`remat.native.workers.mapped`), started."""
 
     def announce(count: int) -> None:
         if progress:
             progress(f"tracing {len(units)} steps on {count} processes")
 
+    return mapped(work, units, workers, announce)
+
+
+def collected(
+    results: Mapped,
+    units: Sequence[tuple[Any, ...]],
+    progress: Callable[[str], None] | None,
+    has_seq: bool,
+    on: Callable[[tuple[Any, ...]], str] | None = None,
+) -> list[Any]:
+    """The results of :func:`started` for units ``(b, s, name, ...)``, each announced as it
+    comes; ``on(unit)`` says what it was traced on (" on the 5-block copy")."""
     out = []
-    for k, x in enumerate(mapped(work, units, workers, announce)):
-        out.append(x)
-        if progress:
-            b, s, name = units[k][:3]
-            where = f"b={b}" + (f", s={s}" if has_seq else "")
-            what = on(units[k]) if on is not None else ""
-            progress(f"traced {name}{what} at {where} ({k + 1} of {len(units)})")
+    with results:
+        for k, x in enumerate(results):
+            out.append(x)
+            if progress:
+                b, s, name = units[k][:3]
+                where = f"b={b}" + (f", s={s}" if has_seq else "")
+                what = on(units[k]) if on is not None else ""
+                progress(f"traced {name}{what} at {where} ({k + 1} of {len(units)})")
     return out
 
 

@@ -19,15 +19,17 @@ from remat.native.deep import SHALLOW, CopyStep, deep_sample, increments, larger
 from remat.native.dynamic import (
     NativeDynamic,
     Sample,
+    collected,
     fitted,
     sample_of,
     schedule_sample,
+    started,
     trace_dynamic,
-    traced_units,
 )
 from remat.native.pipelining import Pipeline
 from remat.native.planner import NATIVE_PLANS, NativeProblem, fixed_policies, uniform_plans
 from remat.native.regions import Policy
+from remat.native.workers import Mapped
 from remat.peak_formula import MemoryFormula
 from remat.request import Request, resolve_profile
 from remat.solver.formula import FitError
@@ -84,17 +86,26 @@ def native_dynamic(
     dims = Dims.of(args, kwargs, seq)
     profile = get_profile(resolve_profile(model, request.device_profile))
     progress = request.progress
-    with kv_cache_off(model):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(kv_cache_off(model))
+        deep = None
+        if copies is not None and len(regions.find_blocks(model, request.block_types)) > sum(
+            SHALLOW
+        ):
+            try:
+                deep = stack.enter_context(
+                    _Deep(copies, dims, args, kwargs, request, profile, plans, menus, batch)
+                )
+            except FitError as e:
+                _no_match(request, e)
         traced, problem = _analyzed(model, args, kwargs, request, profile)
         chosen = _plans(problem, plans, menus)
-        if copies is not None and len(problem.blocks) > sum(SHALLOW):
+        if deep is not None:
             try:
-                dynamic = _deep(traced, problem, chosen, copies, dims, args, kwargs, request,
-                                profile, menus, plans, batch)  # fmt: skip
-                return dynamic, problem
+                return deep.finish(traced, problem, chosen), problem
             except FitError as e:
-                if progress:
-                    progress(f"the shallow copies do not match ({e}): tracing the model itself")
+                _no_match(request, e)
+            deep.close()
 
         def sample_at(b: int, s: int | None, name: str, policies: Sequence[Policy]) -> Sample:
             a, kw = inputs_at(args, kwargs, dims, b, s)
@@ -103,6 +114,11 @@ def native_dynamic(
         dynamic = trace_dynamic(sample_at, chosen, dims, max_seq=request.max_seq,
                                 batch=batch, progress=progress, workers=request.workers)  # fmt: skip
     return dynamic, problem
+
+
+def _no_match(request: Request, e: FitError) -> None:
+    if request.progress:
+        request.progress(f"the shallow copies do not match ({e}): tracing the model itself")
 
 
 def stage_dynamic(
@@ -149,125 +165,161 @@ def stage_dynamic(
     return dynamic, problem
 
 
-def _deep(
-    traced: Traced,
-    problem: NativeProblem,
-    chosen: Mapping[str, tuple[Policy, ...]],
-    copies: Copies,
-    dims: Dims,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    request: Request,
-    profile: DeviceProfile,
-    menus: bool,
-    plans: Sequence[str],
-    batch: int | None,
-) -> NativeDynamic:
-    """:func:`native_dynamic` from copies with :data:`~remat.native.deep.SHALLOW` blocks,
-    checked against the model's own steps at the example's shape (``problem``'s baseline, the
-    analysis's trace with every block eager, stands for ``keep_all``'s)."""
-    layers = len(problem.blocks)
-    shallow: list[tuple[Traced, dict[str, tuple[Policy, ...]]]] = []
-    with contextlib.ExitStack() as stack:
-        for n in SHALLOW:
-            copy = copies(n)
-            stack.enter_context(kv_cache_off(copy))
-            t, p = _analyzed(copy, args, kwargs, request, profile)
-            if len(p.blocks) != n:
-                raise FitError(f"the copy built with {n} blocks has {len(p.blocks)}")
-            mine = _plans(p, plans, menus)
-            if list(mine) != list(chosen):
-                raise FitError("the copies' menus differ from the model's")
-            shallow.append((t, mine))
-
-        dynamic = _from_copies(shallow, chosen, dims, args, kwargs, layers, request, batch)
-    b, s = dims.batch, dims.seq
-    r = dynamic.range_of(b, s)
-    if r is None:
-        raise FitError(f"no range holds the example's shape b={b}, s={s}")
-    for name in plans:
-        if request.progress:
-            request.progress(f"checking {name} on the {layers}-block model")
-        eager = all(p is None for p in chosen[name])
-        full = problem.baseline if eager else traced.trace(args, kwargs, chosen[name])
-        step = r.steps[name]
-        got = (step.peak.peak(b, s)[0], step.peak.peak(b, s, tensors=True)[0])
-        if got != (full.peak_bytes, full.tensor_peak_bytes):
-            raise FitError(
-                f"plan {name!r}: the copies give peaks {got} at the example's shape, the model "
-                f"{(full.peak_bytes, full.tensor_peak_bytes)}"
-            )
-    return dynamic
-
-
 _Unit = tuple[int, int | None, str, int]
 """``(b, s, plan, copy)``: a step of one copy (0: the smaller) at one shape."""
 
 
-def _from_copies(
-    shallow: Sequence[tuple[Traced, Mapping[str, tuple[Policy, ...]]]],
-    chosen: Mapping[str, tuple[Policy, ...]],
-    dims: Dims,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    layers: int,
-    request: Request,
-    batch: int | None,
-) -> NativeDynamic:
-    """Every plan's deep step at each shape of the ranges: the 5-block copy traced at every
-    shape, the 6-block copy at two shapes of each range and synthesized from the 5-block's
-    elsewhere (:func:`remat.native.deep.larger`), or traced there too where the two shapes
-    do not give its increments (:func:`remat.native.deep.increments`)."""
-    has_seq = dims.seq is not None
-    ranges = range_shapes(dims, max_seq=request.max_seq, batch=batch)
+class _Deep:
+    """:func:`native_dynamic` from copies with :data:`~remat.native.deep.SHALLOW` blocks: the
+    5-block copy traced at every shape, the 6-block copy at two shapes of each range and
+    synthesized from the 5-block's elsewhere (:func:`remat.native.deep.larger`), or traced
+    there too where the two shapes do not give its increments
+    (:func:`remat.native.deep.increments`); then checked against the model's own steps at
+    the example's shape. The copies' traces start on the workers as it is made, so the
+    model's analysis and checks in this process overlap them; a ``with`` block stops them
+    where the fit gives up."""
 
-    def traced(b: int, s: int | None, name: str, which: int) -> CopyStep:
-        t, mine = shallow[which]
-        a, kw = inputs_at(args, kwargs, dims, b, s)
+    def __init__(
+        self,
+        copies: Copies,
+        dims: Dims,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Request,
+        profile: DeviceProfile,
+        plans: Sequence[str],
+        menus: bool,
+        batch: int | None,
+    ) -> None:
+        self.dims, self.args, self.kwargs, self.request = dims, args, kwargs, request
+        self.plans, self.has_seq = plans, dims.seq is not None
+        self._stack = contextlib.ExitStack()
+        try:
+            self.shallow = [self._copy(copies, n, profile, menus) for n in SHALLOW]
+        except BaseException:
+            self.close()
+            raise
+        names = list(self.shallow[0][1])
+        self.ranges = range_shapes(dims, max_seq=request.max_seq, batch=batch)
+        self.shapes = [
+            [(b, s if self.has_seq else None) for b, s in (*r.fit, *r.check)] for r in self.ranges
+        ]
+        self.anchors = [list(dict.fromkeys([at[0], at[-1]])) for at in self.shapes]
+        self.units: list[_Unit] = [
+            *((b, s, name, 0) for at in self.shapes for b, s in at for name in names),
+            *((b, s, name, 1) for at in self.anchors for b, s in at for name in names),
+        ]
+        self.pending = started(self._traced, self.units, request.workers, request.progress)
+        self._stack.callback(self.pending.close)
+
+    def _copy(
+        self, copies: Copies, n: int, profile: DeviceProfile, menus: bool
+    ) -> tuple[Traced, dict[str, tuple[Policy, ...]]]:
+        """The copy with ``n`` blocks, analysed (its KV cache off while this fit lasts), and
+        its plans."""
+        copy = copies(n)
+        self._stack.enter_context(kv_cache_off(copy))
+        t, p = _analyzed(copy, self.args, self.kwargs, self.request, profile)
+        if len(p.blocks) != n:
+            raise FitError(f"the copy built with {n} blocks has {len(p.blocks)}")
+        return t, _plans(p, self.plans, menus)
+
+    def _traced(self, b: int, s: int | None, name: str, which: int) -> CopyStep:
+        t, mine = self.shallow[which]
+        a, kw = inputs_at(self.args, self.kwargs, self.dims, b, s)
         return CopyStep.of(t.trace(a, kw, mine[name]), SHALLOW[which])
 
-    def on(unit: tuple[Any, ...]) -> str:
-        return f" on the {SHALLOW[unit[3]]}-block copy"
+    def _collected(self, results: Mapped, units: Sequence[_Unit]) -> dict[_Unit, CopyStep]:
+        def on(unit: tuple[Any, ...]) -> str:
+            return f" on the {SHALLOW[unit[3]]}-block copy"
 
-    def run(units: list[_Unit]) -> None:
-        got = traced_units(traced, units, request.workers, request.progress, has_seq, on)
-        steps.update(zip(units, got, strict=True))
+        got = collected(results, units, self.request.progress, self.has_seq, on)
+        return dict(zip(units, got, strict=True))
 
-    shapes = [[(b, s if has_seq else None) for b, s in (*r.fit, *r.check)] for r in ranges]
-    anchors = [list(dict.fromkeys([at[0], at[-1]])) for at in shapes]
-    steps: dict[_Unit, CopyStep] = {}
-    run([(b, s, name, 0) for at in shapes for b, s in at for name in chosen]
-        + [(b, s, name, 1) for at in anchors for b, s in at for name in chosen])  # fmt: skip
-    synthesized: list[_Unit] = []
-    more: list[_Unit] = []
-    for at, two in zip(shapes, anchors, strict=True):
-        for name in chosen:
-            pairs = [(steps[(b, s, name, 0)], steps[(b, s, name, 1)]) for b, s in two]
-            inc = increments(pairs) if len(pairs) == 2 else None
-            for b, s in at:
-                unit = (b, s, name, 1)
-                if unit in steps:
-                    continue
-                synth = larger(steps[(b, s, name, 0)], inc) if inc is not None else None
-                if synth is None:
-                    more.append(unit)
-                else:
-                    steps[unit] = synth
-                    synthesized.append(unit)
-    run(more)
-    if request.progress:
-        total = sum(map(len, shapes)) * len(chosen)
-        request.progress(
-            f"{len(synthesized)} of {total} {SHALLOW[1]}-block steps synthesized from the "
-            f"{SHALLOW[0]}-block copy's"
-        )
-    samples = {
-        (b, s, name): deep_sample(steps[(b, s, name, 0)], steps[(b, s, name, 1)], layers)
-        for at in shapes
-        for b, s in at
-        for name in chosen
-    }
-    return fitted(ranges, chosen, dims, samples)
+    def finish(
+        self, traced: Traced, problem: NativeProblem, chosen: Mapping[str, tuple[Policy, ...]]
+    ) -> NativeDynamic:
+        """The fit, once the model is analysed (``problem``, its plans ``chosen``)."""
+        layers = len(problem.blocks)
+        if list(self.shallow[0][1]) != list(chosen):
+            raise FitError("the copies' menus differ from the model's")
+        full = self._model_peaks(traced, problem, chosen)
+        steps = self._collected(self.pending, self.units)
+        more = self._synthesized(steps, chosen)
+        steps.update(self._collected(started(self._traced, more, self.request.workers,
+                                             self.request.progress), more))  # fmt: skip
+        samples = {
+            (b, s, name): deep_sample(steps[(b, s, name, 0)], steps[(b, s, name, 1)], layers)
+            for at in self.shapes
+            for b, s in at
+            for name in chosen
+        }
+        dynamic = fitted(self.ranges, chosen, self.dims, samples)
+        b, s = self.dims.batch, self.dims.seq
+        r = dynamic.range_of(b, s)
+        if r is None:
+            raise FitError(f"no range holds the example's shape b={b}, s={s}")
+        for name, peaks in full.items():
+            step = r.steps[name]
+            got = (step.peak.peak(b, s)[0], step.peak.peak(b, s, tensors=True)[0])
+            if got != peaks:
+                raise FitError(
+                    f"plan {name!r}: the copies give peaks {got} at the example's shape, the "
+                    f"model {peaks}"
+                )
+        return dynamic
+
+    def _model_peaks(
+        self, traced: Traced, problem: NativeProblem, chosen: Mapping[str, tuple[Policy, ...]]
+    ) -> dict[str, tuple[int, int]]:
+        """The model's own peaks at the example's shape under each fixed plan (the analysis's
+        trace, every block eager, stands for ``keep_all``'s)."""
+        out = {}
+        for name in self.plans:
+            policies = chosen[name]
+            if self.request.progress:
+                self.request.progress(f"checking {name} on the {len(problem.blocks)}-block model")
+            eager = all(p is None for p in policies)
+            full = problem.baseline if eager else traced.trace(self.args, self.kwargs, policies)
+            out[name] = (full.peak_bytes, full.tensor_peak_bytes)
+        return out
+
+    def _synthesized(
+        self, steps: dict[_Unit, CopyStep], chosen: Mapping[str, tuple[Policy, ...]]
+    ) -> list[_Unit]:
+        """The 6-block steps ``steps`` lacks, synthesized into it; the units that could not be."""
+        done: list[_Unit] = []
+        more: list[_Unit] = []
+        for at, two in zip(self.shapes, self.anchors, strict=True):
+            for name in chosen:
+                pairs = [(steps[(b, s, name, 0)], steps[(b, s, name, 1)]) for b, s in two]
+                inc = increments(pairs) if len(pairs) == 2 else None
+                for b, s in at:
+                    unit = (b, s, name, 1)
+                    if unit in steps:
+                        continue
+                    synth = larger(steps[(b, s, name, 0)], inc) if inc is not None else None
+                    if synth is None:
+                        more.append(unit)
+                    else:
+                        steps[unit] = synth
+                        done.append(unit)
+        if self.request.progress:
+            total = sum(map(len, self.shapes)) * len(chosen)
+            self.request.progress(
+                f"{len(done)} of {total} {SHALLOW[1]}-block steps synthesized from the "
+                f"{SHALLOW[0]}-block copy's"
+            )
+        return more
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> _Deep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def formula_of(dynamic: NativeDynamic, plan: str, static: StaticMemory) -> MemoryFormula:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTO_MAX", "MIN_WORK_S", "mapped"]
+__all__ = ["AUTO_MAX", "MIN_WORK_S", "Mapped", "mapped"]
 
 AUTO_MAX = 8
 """Workers at most when the count is automatic."""
@@ -51,37 +51,71 @@ def _start() -> None:
     torch.set_num_threads(1)
 
 
+class Mapped(Iterator[Any]):
+    """:func:`mapped`'s results, in order. :meth:`close` (or leaving a ``with`` block) stops
+    the workers, where the caller gives up before reading them all."""
+
+    def __init__(self, done: list[Any], rest: Iterator[Any], pool: Any = None) -> None:
+        self._done, self._rest, self._pool = done, rest, pool
+
+    def __next__(self) -> Any:
+        if self._done:
+            return self._done.pop(0)
+        try:
+            return next(self._rest)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        global _WORK
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+            _WORK = None
+
+    def __enter__(self) -> Mapped:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def mapped(
     work: Callable[..., Any],
     units: Sequence[Sequence[Any]],
     workers: int | None,
     announce: Callable[[int], None] | None = None,
-) -> Iterator[Any]:
+) -> Mapped:
     """``work(*unit)`` for each unit, in order. ``workers``: processes (1: this one alone);
     None: the first unit here, then, where the rest would take :data:`MIN_WORK_S` or more
     at its pace, one forked process per core (up to :data:`AUTO_MAX`). ``work`` need not be
     picklable (the workers inherit it); its results must be. ``announce`` is called with the
-    number of processes where there are several."""
+    number of processes where there are several.
+
+    Forked workers start on the units before this returns, so the caller can do other work
+    while they trace; in this process, each unit runs as the iterator reaches it."""
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     todo = list(units)
+    done: list[Any] = []
     if workers is None and todo:
         t0 = time.perf_counter()
-        first = work(*todo[0])
+        done.append(work(*todo[0]))
         todo = todo[1:]
         enough = (time.perf_counter() - t0) * len(todo) >= MIN_WORK_S
         workers = min(_cores(), AUTO_MAX) if enough else 1
-        yield first
     count = min(workers or 1, len(todo)) if _forkable() else 1
     if count <= 1:
-        yield from (work(*unit) for unit in todo)
-        return
+        return Mapped(done, (work(*unit) for unit in todo))
     if announce:
         announce(count)
     global _WORK
-    _WORK = work
+    _WORK = work  # the workers inherit it as they fork (in Pool(), or to replace one)
     try:
-        with multiprocessing.get_context("fork").Pool(count, initializer=_start) as pool:
-            yield from pool.imap(_run, todo)
-    finally:
+        pool = multiprocessing.get_context("fork").Pool(count, initializer=_start)
+    except BaseException:
         _WORK = None
+        raise
+    return Mapped(done, pool.imap(_run, todo), pool)

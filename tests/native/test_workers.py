@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -74,3 +76,21 @@ def test_a_fit_traced_on_two_workers_is_the_fit_traced_in_one_process() -> None:
             assert s1.dtypes == s2.dtypes
             for field in ("flops", "moved", "timed", "recompute", "weights"):
                 assert torch.equal(getattr(s1, field), getattr(s2, field)), (name, field)
+
+
+def _touch(path: str) -> str:
+    with open(path, "w"):
+        pass
+    return path
+
+
+def test_forked_workers_start_before_their_results_are_read(tmp_path: Any) -> None:
+    """The caller works while the workers trace (a deep fit analyses the model meanwhile):
+    every unit's file appears before the results are read."""
+    units = [(str(tmp_path / str(k)),) for k in range(4)]
+    with workers.mapped(_touch, units, 2) as results:
+        deadline = time.monotonic() + 120  # a liveness bound, not a timing assertion
+        while not all(os.path.exists(path) for (path,) in units):
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+        assert list(results) == [path for (path,) in units]
