@@ -1,10 +1,11 @@
 """FakeTensor traces on several CPU cores.
 
-A fit traces every plan at every shape of its ranges (:mod:`remat.native.dynamic`): 269
-traces of half a second each for a 70B Llama, one core busy with Python (FakeTensor
+A fit traces every plan at every shape of its ranges (:mod:`remat.native.dynamic`): 180
+traces of half a second each on a 70B Llama's copies, one core busy with Python (FakeTensor
 dispatch), the others idle. The traces are independent, so they can run in forked worker
 processes that inherit the analysed FakeTensor copies as they are (no rebuild, no warm-up)
-and send back only each trace's :class:`~remat.native.dynamic.Sample`. Fork is taken only
+and send back only what the fit reads of each trace (a
+:class:`~remat.native.dynamic.Sample`, a :class:`~remat.native.deep.CopyStep`). Fork is taken only
 on Linux and where CUDA is not initialised in this process (a forked child cannot use it);
 each worker runs one intra-op thread, as DataLoader's workers do.
 """
