@@ -106,4 +106,4 @@ def tangent(kp: KeptProblem, weight: float, config: SolverConfig) -> Tangent | N
     """The tangent of ``kp``'s front at ``weight`` (seconds per byte), from the exact MILP's
     relaxation in ``config``'s time; ``None`` if nothing was proven."""
     found = kept_tradeoff(kp.problem, weight, config, stage=kp.stage)
-    return None if found is None else Tangent(weight, found[0], found[1])
+    return None if found is None else Tangent(weight, found.bound_s, found.kept)

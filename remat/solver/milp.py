@@ -678,17 +678,31 @@ def exact(
     return _solve(problem, budget_bytes, config, start, free)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tradeoff:
+    """:func:`kept_tradeoff`'s answer at one weight."""
+
+    bound_s: float
+    """A lower bound on ``recompute_s + weight * kept`` over every plan."""
+    kept: int
+    """The bytes the solver's best plan keeps."""
+    saved: frozenset[str]
+    """That plan's saved values (a plan of the block, on the front where it is optimal)."""
+
+
 def kept_tradeoff(
     problem: Problem, weight: float, config: SolverConfig, *, stage: int = 0
-) -> tuple[float, int] | None:
+) -> Tradeoff | None:
     """A lower bound, in seconds, on ``recompute_s + weight * kept`` over every plan of
     ``problem``, where ``kept`` is the bytes of forward values live before the recomputations
     of the backward's ``stage``-th stage (its ``stage``-th op that reads a forward value; at
-    0, what the plan keeps for the backward), and the bytes the solver's best plan keeps
-    there; ``None`` if nothing was proven in ``config.time_limit_s``. No budget, and the model
-    without its moment cuts: a relaxation, so its dual bound holds for every plan. Why: over
-    ``weight`` these are tangents below the least recompute for each bound on what is kept
-    (:mod:`remat.solver.fronts`), valid whether that staircase is convex or not."""
+    0, what the plan keeps for the backward), and the solver's best plan; ``None`` if nothing
+    was proven in ``config.time_limit_s``. No budget, and the model without its moment cuts:
+    a relaxation, so its dual bound holds for every plan. Why: over ``weight`` these are
+    tangents below the least recompute for each bound on what is kept
+    (:mod:`remat.solver.fronts`), valid whether that staircase is convex or not; and the best
+    plans are points of that front, options the chain solver's menus lack
+    (:mod:`remat.solver.chain`)."""
     comp = compress(problem)
     budget = 4 * sum(problem.storage_bytes.values()) + 1
     model = _Model(comp.problem, budget, comp.fold, kept_weight=weight, kept_stage=stage)
@@ -697,7 +711,8 @@ def kept_tradeoff(
     if raw is None or not math.isfinite(raw):
         return None
     kept = sum(b * (v.value() or 0.0) for b, v in model.kept_terms)
-    return max(0.0, (raw - model.tie_max) / model.scale), round(kept)
+    bound = max(0.0, (raw - model.tie_max) / model.scale)
+    return Tradeoff(bound, round(kept), frozenset(model.saved()))
 
 
 def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) -> Plan:

@@ -223,3 +223,39 @@ def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> Non
     assert cached(model, x, SolverConfig(time_limit_s=7)) is not first and len(solved) == 3
     assert cached(model, x, SolverConfig(time_limit_s=6, progress=print)) is first
     assert len(solved) == 3  # the progress callback is not a setting
+
+
+def test_the_menu_holds_points_of_the_block_s_front_none_of_its_options_beats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """chain._front_plans (the best plans of recompute plus a price per byte kept) are
+    points of the block's front: no option of the block's menu keeps as little and
+    recomputes less; and the menu holds them."""
+    from remat.solver import chain
+
+    # The prices whose solves finish in well under a second here (so each is optimal, far
+    # within CONFIG's 6 s: an incumbent cut short by the time limit need not be on the front).
+    monkeypatch.setattr(chain, "FRONT_WEIGHTS", (0.2, 0.3, 0.5, 0.7))
+    model, x = _gpt(3)
+    problem = remat.analyze(model, (x,)).problem
+    s = find_structure(problem)
+    sub, keep_all, heavy = chain._block_problems(problem, s.blocks[s.classes[0][0]])
+    fronts = chain._front_plans(sub, keep_all, CONFIG, float("inf"))
+    assert fronts and {p.solver for p in fronts} == {"front"}
+    fwd = set(sub.forward_names)
+
+    def kept(saved: frozenset[str]) -> int:
+        plan = chain.make_plan(sub, saved, solver="", reason="", proof=chain.Proof.HEURISTIC)
+        return plan.simulation.saved_bytes
+
+    quick = SolverConfig(time_limit_s=2)  # a shorter menu: its options are what is compared
+    menu = chain._menu(sub, keep_all, heavy, quick)
+    for p in fronts:
+        mine = kept(frozenset(n for n in p.schedule.saved if n in fwd))
+        for o in menu:
+            assert not (kept(o.saved) <= mine and o.time_s < p.recompute_time_s * (1 - 1e-9)), o
+    # The menu asks _front_plans for its options, within its own time.
+    calls: list[tuple[object, ...]] = []
+    monkeypatch.setattr(chain, "_front_plans", lambda *args: calls.append(args) or [])
+    chain._menu(sub, keep_all, heavy, quick)
+    assert len(calls) == 1 and calls[0][0] is sub and calls[0][1] is keep_all
