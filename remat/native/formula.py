@@ -195,12 +195,20 @@ class _Deep:
         self.plans, self.has_seq = plans, dims.seq is not None
         self._stack = contextlib.ExitStack()
         try:
-            self.shallow = [self._copy(copies, n, profile, menus) for n in SHALLOW]
+            self._start(copies, profile, menus, batch)
         except BaseException:
             self.close()
             raise
+
+    def _start(
+        self, copies: Copies, profile: DeviceProfile, menus: bool, batch: int | None
+    ) -> None:
+        """Analyse the copies and start their traces."""
+        self.shallow = [self._copy(copies, n, profile, menus) for n in SHALLOW]
         names = list(self.shallow[0][1])
-        self.ranges = range_shapes(dims, max_seq=request.max_seq, batch=batch)
+        if list(self.shallow[1][1]) != names:
+            raise FitError("the copies' menus differ from each other")
+        self.ranges = range_shapes(self.dims, max_seq=self.request.max_seq, batch=batch)
         self.shapes = [
             [(b, s if self.has_seq else None) for b, s in (*r.fit, *r.check)] for r in self.ranges
         ]
@@ -209,7 +217,8 @@ class _Deep:
             *((b, s, name, 0) for at in self.shapes for b, s in at for name in names),
             *((b, s, name, 1) for at in self.anchors for b, s in at for name in names),
         ]
-        self.pending = started(self._traced, self.units, request.workers, request.progress)
+        workers, progress = self.request.workers, self.request.progress
+        self.pending = started(self._traced, self.units, workers, progress)
         self._stack.callback(self.pending.close)
 
     def _copy(
