@@ -12,7 +12,6 @@ allocates internally and frees before returning (e.g. convolution workspace);
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import weakref
@@ -99,14 +98,7 @@ def peaks_of(step: Callable[[], Any]) -> tuple[int, int]:
 def allocator_profile() -> Iterator[torch.profiler.profile]:
     """``torch.profiler.profile`` recording allocations, without the lines Kineto writes to
     the process's stderr when it starts and stops (``USDT: ... profiler_start``; no setting
-    turns them off, so file descriptor 2 is pointed at /dev/null while it does).
-
-    Garbage is collected first: tensors held only by reference cycles (an earlier run's FX
-    graph module and its parameters) would otherwise be freed whenever the cyclic collector
-    next runs, which can be inside the profiled step. The allocator then warns on stderr of a
-    block "of unknown size ... allocated before the profiling started" (seen in ``remat
-    demo``, in one run of the suite out of several)."""
-    gc.collect()
+    turns them off, so file descriptor 2 is pointed at /dev/null while it does)."""
     prof = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     )

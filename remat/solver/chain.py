@@ -494,11 +494,11 @@ def _outside_saved(problem: Problem, structure: Structure) -> frozenset[str]:
 
 
 MENU_CACHE = 16
+"""Menus kept (least recently used dropped): a sweep, or a second capture of the same model,
+solves each block's menu once."""
 FRONT_WEIGHTS = (0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0)
 """Seconds per byte kept, in units of a block's average slope (recomputing all it can, over
 what keep-all keeps), at which :func:`_front_plans` touches the block's front."""
-"""Menus kept (least recently used dropped): a sweep, or a second capture of the same model,
-solves each block's menu once."""
 _MENUS: collections.OrderedDict[tuple[object, ...], list[Option]] = collections.OrderedDict()
 
 
