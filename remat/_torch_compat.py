@@ -248,15 +248,12 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """A ``torch.distributed.tensor.DTensor`` (without importing torch.distributed where it
     was never used)."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+    return any_dtensor((tensor,))
 
 
 def any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether one of ``tensors`` is a DTensor (:func:`is_dtensor`), asked once per op."""
+    """Whether one of ``tensors`` is a DTensor (:func:`is_dtensor`): one import check for
+    all of them (the trace recorder asks for every op's tensors)."""
     if "torch.distributed.tensor" not in sys.modules:
         return False
     from torch.distributed.tensor import DTensor

@@ -539,10 +539,8 @@ def _menu(sub: Problem, keep_all: Plan, heavy: Problem, config: SolverConfig) ->
     fwd = sub.forward_names
     per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
     deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
-    plans = [
-        keep_all,
-        make_plan(sub, must_save(sub), solver="keep_inputs", reason="", proof=Proof.HEURISTIC),
-    ]
+    least = make_plan(sub, must_save(sub), solver="keep_inputs", reason="", proof=Proof.HEURISTIC)
+    plans = [keep_all, least]
     # Options trading what the block keeps for the later blocks' backward against time: with a
     # ballast above the block's own backward peak, the budget bounds the bytes kept. First
     # across the whole range, then walking the Pareto front down from keep-all (each solve
@@ -565,7 +563,7 @@ def _menu(sub: Problem, keep_all: Plan, heavy: Problem, config: SolverConfig) ->
     for k in range(1, 2 * MENU_POINTS):
         if time.perf_counter() < deadline:
             solve_heavy(bottom + (top - bottom) * k // (2 * MENU_POINTS))
-    plans += _front_plans(sub, keep_all, per, deadline)
+    plans += _front_plans(sub, keep_all, least, per, deadline)
     # Options trading the block's own backward peak against time (the binding constraint of
     # the last blocks, whose backward runs with everything before them kept).
     with contextlib.suppress(RuntimeError):
@@ -595,14 +593,16 @@ def _menu(sub: Problem, keep_all: Plan, heavy: Problem, config: SolverConfig) ->
     return sorted(seen.values(), key=lambda o: (o.time_s, -len(o.saved)))
 
 
-def _front_plans(sub: Problem, keep_all: Plan, config: SolverConfig, deadline: float) -> list[Plan]:
+def _front_plans(
+    sub: Problem, keep_all: Plan, least: Plan, config: SolverConfig, deadline: float
+) -> list[Plan]:
     """Points of the block's front of recompute against bytes kept for the backward: the
     best plans of ``recompute + w * kept`` (:func:`remat.solver.milp.kept_tradeoff`) for the
-    weights of :data:`FRONT_WEIGHTS`. Why: the budgeted solves step the budget in strides
+    weights of :data:`FRONT_WEIGHTS` (``least``: the block's keep-inputs plan, which with
+    ``keep_all`` sets their unit). Why: the budgeted solves step the budget in strides
     and stop at their time limits, and miss points of the front between them (Llama-70B's
     block: the menu kept 722 MB for 4.42 ms where the front has 689 MB for 2.68 ms)."""
     fwd = set(sub.forward_names)
-    least = make_plan(sub, must_save(sub), solver="", reason="", proof=Proof.HEURISTIC)
     slope = least.recompute_time_s / max(1, keep_all.simulation.saved_bytes)
     out: list[Plan] = []
     for f in FRONT_WEIGHTS if slope > 0 else ():

@@ -240,7 +240,10 @@ def test_the_menu_holds_points_of_the_block_s_front_none_of_its_options_beats(
     problem = remat.analyze(model, (x,)).problem
     s = find_structure(problem)
     sub, keep_all, heavy = chain._block_problems(problem, s.blocks[s.classes[0][0]])
-    fronts = chain._front_plans(sub, keep_all, CONFIG, float("inf"))
+    least = chain.make_plan(
+        sub, chain.must_save(sub), solver="", reason="", proof=chain.Proof.HEURISTIC
+    )
+    fronts = chain._front_plans(sub, keep_all, least, CONFIG, float("inf"))
     assert fronts and {p.solver for p in fronts} == {"front"}
     fwd = set(sub.forward_names)
 
