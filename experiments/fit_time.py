@@ -4,15 +4,17 @@ it runs and with each of its speed-ups turned off, run after run on this machine
     python experiments/fit_time.py [--rounds 1]
 
 The command: Llama-2-70B (80 blocks) on FakeTensors, ZeRO-3 over 64 ranks, bf16-mixed, batch
-1 at seq 4096, an 80 GB budget, the ``sac`` executor; its shapes traced on copies with 5 and 6
+1 at seq 4096, an 80 GB budget, the ``sac`` executor; its shapes traced on copies with 4 and 5
 blocks (:mod:`remat.native.deep`) and checked against the 80-block model. Configurations, each
 ``remat fit`` in a fresh process (``python -m remat.cli``'s whole wall time, startup and
 imports included), one after the other:
 
 - ``as it runs``: the default (one forked worker per core);
-- ``6-block copy traced everywhere``: :func:`remat.native.deep.increments` returns None, so
-  the 6-block copy is traced at every shape rather than at two per range and synthesized
-  from the 5-block copy's at the others;
+- ``copies with 5 and 6 blocks``: the wider edges (:data:`remat.native.deep.WIDE`), as the
+  fit took them before it tried the narrower ones;
+- ``larger copy traced everywhere``: :func:`remat.native.deep.increments` returns None, so
+  the larger copy is traced at every shape rather than at two per range and synthesized
+  from the smaller copy's at the others;
 - ``one process``: ``--workers 1`` (the model's analysis and checks then run before the
   copies' traces, not beside them).
 
@@ -37,9 +39,11 @@ from experiments.rows import save, show  # noqa: E402
 COMMAND = ["fit", "llama-70b", "--budget-gb", "80", "--precision", "bf16-mixed",
            "--zero-stage", "3", "--world-size", "64", "--seq", "4096", "--batch", "1"]  # fmt: skip
 TRACED_EVERYWHERE = "import remat.native.formula as f; f.increments = lambda anchors: None; "
+WIDER = "import remat.native.formula as f; f.EDGES = f.WIDE; "
 CONFIGS = {
     "as it runs": ("", []),
-    "6-block copy traced everywhere": (TRACED_EVERYWHERE, []),
+    "copies with 5 and 6 blocks": (WIDER, []),
+    "larger copy traced everywhere": (TRACED_EVERYWHERE, []),
     "one process": ("", ["--workers", "1"]),
 }
 

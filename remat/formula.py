@@ -157,7 +157,7 @@ def memory_formula(
     the step traced as ``remat.apply`` traces it (FSDP2 over ``world_size`` ranks with
     ``zero_stage=3``; ``precision="bf16-fsdp"`` for its mixed precision) at the same shapes;
     ``copies``: a builder of the model with ``n`` blocks, to trace a deep stack on copies with
-    5 and 6 blocks (:mod:`remat.native.deep`).
+    4 and 5 blocks, or 5 and 6 (:mod:`remat.native.deep`).
 
     ``example_inputs`` must have a length of at least 8 (the fit captures at lengths around
     it); ``max_seq`` bounds the lengths the formula claims (the model's positions). The model

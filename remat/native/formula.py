@@ -15,7 +15,7 @@ from remat.graph.dynamic import Dims, inputs_at, range_shapes
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.native import regions
 from remat.native.api import Stage, Traced, analyze, kv_cache_off
-from remat.native.deep import SHALLOW, CopyStep, deep_sample, increments, larger
+from remat.native.deep import EDGES, WIDE, CopyStep, Edges, deep_sample, increments, larger, matched
 from remat.native.dynamic import (
     NativeDynamic,
     Sample,
@@ -78,8 +78,8 @@ def native_dynamic(
     for the request's training options, on copies of ``model`` (it is not modified). The
     menus are chosen at the example's shape.
 
-    ``copies``: for a stack of more blocks than the two copies together (12 or more), a
-    builder of shallower copies: the shapes are traced on copies with 5 and 6 blocks
+    ``copies``: for a stack of more blocks than the two copies together (10 or more), a
+    builder of shallower copies: the shapes are traced on copies with 4 and 5 blocks
     (:mod:`remat.native.deep`) and the result checked against traces of ``model`` at the
     example's shape under the fixed plans; where they differ, ``model`` itself is traced at
     every shape."""
@@ -90,7 +90,7 @@ def native_dynamic(
         stack.enter_context(kv_cache_off(model))
         deep = None
         if copies is not None and len(regions.find_blocks(model, request.block_types)) > sum(
-            SHALLOW
+            EDGES.copies
         ):
             try:
                 deep = stack.enter_context(
@@ -167,12 +167,14 @@ def stage_dynamic(
 
 _Unit = tuple[int, int | None, str, int]
 """``(b, s, plan, copy)``: a step of one copy (0: the smaller) at one shape."""
+_Copy = tuple[Traced, dict[str, tuple[Policy, ...]]]
+"""An analysed copy, and its plans by name."""
 
 
 class _Deep:
-    """:func:`native_dynamic` from copies with :data:`~remat.native.deep.SHALLOW` blocks: the
-    5-block copy traced at every shape, the 6-block copy at two shapes of each range and
-    synthesized from the 5-block's elsewhere (:func:`remat.native.deep.larger`), or traced
+    """:func:`native_dynamic` from two shallow copies (:class:`~remat.native.deep.Edges`): the
+    smaller traced at every shape, the larger at two shapes of each range and synthesized
+    from the smaller's elsewhere (:func:`remat.native.deep.larger`), or traced
     there too where the two shapes do not give its increments
     (:func:`remat.native.deep.increments`); then checked against the model's own steps at
     the example's shape. The copies' traces start on the workers as it is made, so the
@@ -204,7 +206,7 @@ class _Deep:
         self, copies: Copies, profile: DeviceProfile, menus: bool, batch: int | None
     ) -> None:
         """Analyse the copies and start their traces."""
-        self.shallow = [self._copy(copies, n, profile, menus) for n in SHALLOW]
+        self.edges, self.shallow = self._copies(copies, profile, menus)
         names = list(self.shallow[0][1])
         if list(self.shallow[1][1]) != names:
             raise FitError("the copies' menus differ from each other")
@@ -221,9 +223,32 @@ class _Deep:
         self.pending = started(self._traced, self.units, workers, progress)
         self._stack.callback(self.pending.close)
 
+    def _copies(
+        self, copies: Copies, profile: DeviceProfile, menus: bool
+    ) -> tuple[Edges, list[_Copy]]:
+        """The two copies for :data:`~remat.native.deep.EDGES`, or for
+        :data:`~remat.native.deep.WIDE` where their analysis steps (every block eager, at the
+        example's shape) do not match as the narrower edges say; with their edges."""
+        built: dict[int, tuple[_Copy, NativeProblem]] = {}
+
+        def pair(edges: Edges) -> list[_Copy]:
+            for n in edges.copies:
+                if n not in built:
+                    built[n] = self._copy(copies, n, profile, menus)
+            (small, p_small), (large, p_large) = (built[n] for n in edges.copies)
+            matched(p_small.baseline, p_large.baseline, edges)
+            return [small, large]
+
+        try:
+            return EDGES, pair(EDGES)
+        except FitError as e:
+            if self.request.progress:
+                self.request.progress(f"{e}: copies with {WIDE.copies} blocks instead")
+        return WIDE, pair(WIDE)
+
     def _copy(
         self, copies: Copies, n: int, profile: DeviceProfile, menus: bool
-    ) -> tuple[Traced, dict[str, tuple[Policy, ...]]]:
+    ) -> tuple[_Copy, NativeProblem]:
         """The copy with ``n`` blocks, analysed (its KV cache off while this fit lasts), and
         its plans."""
         copy = copies(n)
@@ -231,16 +256,16 @@ class _Deep:
         t, p = _analyzed(copy, self.args, self.kwargs, self.request, profile)
         if len(p.blocks) != n:
             raise FitError(f"the copy built with {n} blocks has {len(p.blocks)}")
-        return t, _plans(p, self.plans, menus)
+        return (t, _plans(p, self.plans, menus)), p
 
     def _traced(self, b: int, s: int | None, name: str, which: int) -> CopyStep:
         t, mine = self.shallow[which]
         a, kw = inputs_at(self.args, self.kwargs, self.dims, b, s)
-        return CopyStep.of(t.trace(a, kw, mine[name]), SHALLOW[which])
+        return CopyStep.of(t.trace(a, kw, mine[name]), self.edges.copies[which], self.edges)
 
     def _collected(self, results: Mapped, units: Sequence[_Unit]) -> dict[_Unit, CopyStep]:
         def on(unit: tuple[Any, ...]) -> str:
-            return f" on the {SHALLOW[unit[3]]}-block copy"
+            return f" on the {self.edges.copies[unit[3]]}-block copy"
 
         got = collected(results, units, self.request.progress, self.has_seq, on)
         return dict(zip(units, got, strict=True))
@@ -258,7 +283,9 @@ class _Deep:
         steps.update(self._collected(started(self._traced, more, self.request.workers,
                                              self.request.progress), more))  # fmt: skip
         samples = {
-            (b, s, name): deep_sample(steps[(b, s, name, 0)], steps[(b, s, name, 1)], layers)
+            (b, s, name): deep_sample(
+                steps[(b, s, name, 0)], steps[(b, s, name, 1)], layers, self.edges
+            )
             for at in self.shapes
             for b, s in at
             for name in chosen
@@ -296,7 +323,8 @@ class _Deep:
     def _synthesized(
         self, steps: dict[_Unit, CopyStep], chosen: Mapping[str, tuple[Policy, ...]]
     ) -> list[_Unit]:
-        """The 6-block steps ``steps`` lacks, synthesized into it; the units that could not be."""
+        """The larger copy's steps ``steps`` lacks, synthesized into it; the units that could
+        not be."""
         done: list[_Unit] = []
         more: list[_Unit] = []
         for at, two in zip(self.shapes, self.anchors, strict=True):
@@ -316,8 +344,8 @@ class _Deep:
         if self.request.progress:
             total = sum(map(len, self.shapes)) * len(chosen)
             self.request.progress(
-                f"{len(done)} of {total} {SHALLOW[1]}-block steps synthesized from the "
-                f"{SHALLOW[0]}-block copy's"
+                f"{len(done)} of {total} {self.edges.copies[1]}-block steps synthesized from "
+                f"the {self.edges.copies[0]}-block copy's"
             )
         return more
 

@@ -3,7 +3,7 @@
 The chain DP reads its per-region costs from one trace per option of the menu, that option
 on every region (:func:`remat.native.planner.uniform_plans`): 11 traces of the whole step.
 With one policy on every region, a deep stack's step is determined by copies with
-:data:`~remat.native.deep.SHALLOW` regions (:mod:`remat.native.deep`), so each option is
+:data:`SHALLOW` regions (:mod:`remat.native.deep`), so each option is
 traced on the copies instead, at a fraction of the cost (a 32-block Llama: ~0.5 s for both
 copies against ~3 s for the model). The copies are the model with the ModuleList that holds
 its blocks cut short; its other modules are shared, not copied (the trace copies what it
@@ -22,13 +22,19 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from remat import _torch_compat as tc
-from remat.native.deep import SHALLOW, deep_costs, deep_sample
+from remat.native.deep import WIDE, deep_costs, deep_sample
 from remat.native.trace import StepTrace
 from remat.solver.chain import ChainCosts
 from remat.solver.formula import FitError
 
 __all__ = ["MIN_REGIONS", "SHALLOW", "Copy", "UniformCosts", "truncated", "uniform_costs"]
 
+EDGES = WIDE
+"""Regions at each end that differ from the middle ones: the wider edges, those this path
+has been checked with (regions outside the stack sit among them); the fit's copies try
+narrower ones first (:data:`remat.native.deep.EDGES`)."""
+SHALLOW = EDGES.copies
+"""Regions of the two copies."""
 MIN_REGIONS = sum(SHALLOW) + 1
 """Regions from which the copies' two steps cost less than one of the model's."""
 
@@ -113,8 +119,8 @@ def uniform_costs(
         for name in names:
             small, large = (trace(name) for trace in tracers)
             layers = len(regions)
-            peak = deep_sample(small, large, layers).peak
-            out.append((deep_costs(small, large, layers), peak))
+            peak = deep_sample(small, large, layers, EDGES).peak
+            out.append((deep_costs(small, large, layers, EDGES), peak))
         return out
 
     return costs

@@ -1,4 +1,4 @@
-"""The deep step's 6-block copy synthesized from the 5-block one (:mod:`remat.native.deep`):
+"""The deep step's larger copy synthesized from the smaller one (:mod:`remat.native.deep`):
 where two shapes give every moment's increment, the synthesized step at a third shape is the
 traced one, to the byte; where they do not, there is no increment and the copy is traced."""
 
@@ -13,7 +13,7 @@ import torch
 from remat.graph.dynamic import Dims, inputs_at
 from remat.graph.profiles import get_profile
 from remat.native.api import Traced, analyze, kv_cache_off
-from remat.native.deep import EDGE, SHALLOW, CopyStep, deep_sample, increments, larger
+from remat.native.deep import EDGES, CopyStep, deep_sample, increments, larger
 from remat.native.planner import fixed_policies
 from remat.native.regions import find_blocks
 from remat.request import Request
@@ -33,7 +33,7 @@ def steps() -> dict[tuple[int, int, str, int], CopyStep]:
     args = (torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1)),)
     dims = Dims.of(args, {})
     out = {}
-    for which, n in enumerate(SHALLOW):
+    for which, n in enumerate(EDGES.copies):
         torch.manual_seed(0)
         model = llama(n, 64).train()
         with kv_cache_off(model):
@@ -47,7 +47,7 @@ def steps() -> dict[tuple[int, int, str, int], CopyStep]:
 
 
 def _step(traced: Traced, x: Any, kw: Any, policies: Any, blocks: int) -> CopyStep:
-    return CopyStep.of(traced.trace(x, kw, policies), blocks)
+    return CopyStep.of(traced.trace(x, kw, policies), blocks, EDGES)
 
 
 def _bytes(step: CopyStep) -> dict[object, list[tuple[object, int, int]]]:
@@ -69,7 +69,7 @@ def test_the_larger_copy_is_the_smaller_plus_the_increments_at_another_shape(
     assert synth is not None
     assert _bytes(synth) == _bytes(real)
     assert synth.held == real.held and (synth.unseen, synth.live) == (real.unseen, real.live)
-    assert deep_sample(small, synth, 80) == deep_sample(small, real, 80)
+    assert deep_sample(small, synth, 80, EDGES) == deep_sample(small, real, 80, EDGES)
 
 
 def test_no_increments_where_the_copies_do_not_grow_by_a_block(
@@ -81,9 +81,9 @@ def test_no_increments_where_the_copies_do_not_grow_by_a_block(
     assert increments([pairs[0], pairs[0]]) is None
     # One moment of the larger copy grows by other than 0 or a block's saved bytes.
     small, big = pairs[1]
-    (key, e), *rest = big.keyed[EDGE]
+    (key, e), *rest = big.keyed[EDGES.head]
     bent = dataclasses.replace(e, allocated_bytes=e.allocated_bytes + 512)
-    odd = dataclasses.replace(big, keyed={**big.keyed, EDGE: [(key, bent), *rest]})
+    odd = dataclasses.replace(big, keyed={**big.keyed, EDGES.head: [(key, bent), *rest]})
     assert increments([pairs[0], (small, odd)]) is None
     # A moment between ops above every op's: not carried by the increments.
     assert increments([pairs[0], (dataclasses.replace(small, live=1), big)]) is None

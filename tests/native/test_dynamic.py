@@ -217,7 +217,7 @@ def _check_cli_fit_and_compare(
 
 
 def test_a_deep_stack_from_two_shallow_copies_is_its_own_trace() -> None:
-    """12 blocks fitted from copies with 5 and 6, checked at shapes none was traced at."""
+    """12 blocks fitted from copies with 4 and 5, checked at shapes none was traced at."""
 
     def build(n: int) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -232,8 +232,9 @@ def test_a_deep_stack_from_two_shallow_copies_is_its_own_trace() -> None:
     dynamic, _ = native_dynamic(model, args, {}, req, plans=plans, copies=build, batch=2)
     assert any("on the 12-block model" in m for m in seen)  # checked against the model
     assert not any("do not match" in m for m in seen)
-    # The 6-block copy traced at two shapes, the other 5 synthesized (remat.native.deep.larger).
-    assert "10 of 14 6-block steps synthesized from the 5-block copy's" in seen
+    # The 5-block copy traced at two shapes, the other 5 synthesized (remat.native.deep.larger).
+    assert "10 of 14 5-block steps synthesized from the 4-block copy's" in seen
+    assert not any("instead" in m for m in seen)  # the narrower edges (deep.EDGES) match
     profile = get_profile("cpu")
     with kv_cache_off(model):
         traced, _ = analyze(model, find_blocks(model), args, {}, req, profile)
@@ -261,3 +262,33 @@ def test_a_deep_stack_from_two_shallow_copies_is_its_own_trace() -> None:
     step = again.range_of(5, 23).steps["block"]  # type: ignore[union-attr]
     deep = dynamic.range_of(5, 23).steps["block"]  # type: ignore[union-attr]
     assert step.peak.peak(5, 23)[0] == deep.peak.peak(5, 23)[0]
+
+
+def test_copies_whose_second_block_from_the_end_differs_are_taken_wider() -> None:
+    """Where the block before the last differs from the middle ones, the narrower copies
+    (remat.native.deep.EDGES) do not match; the fit takes the wider ones (deep.WIDE) instead
+    of tracing the model itself, and its peaks are still the model's own."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    def build(n: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = llama(n, 64).train()
+        wider = copy.copy(model.config)
+        wider.intermediate_size *= 2  # saves more for the backward than the others
+        model.model.layers[n - 2].mlp = LlamaMLP(wider)
+        return model
+
+    model, args = build(12), (_tokens(2, 16),)
+    seen: list[str] = []
+    req = Request.of(progress=seen.append, device_profile="cpu")
+    dynamic, _ = native_dynamic(model, args, {}, req, plans=("block",), copies=build, batch=2)
+    assert any("copies with (5, 6) blocks instead" in m for m in seen), seen
+    assert not any("do not match" in m for m in seen)
+    with kv_cache_off(model):
+        traced, _ = analyze(model, find_blocks(model), args, {}, req, get_profile("cpu"))
+        b, s = 5, 23
+        x, kw = inputs_at(args, {}, Dims.of(args, {}), b, s)
+        t = traced.trace(x, kw, dynamic.policies["block"])
+    step = dynamic.range_of(b, s).steps["block"]  # type: ignore[union-attr]
+    assert step.peak.peak(b, s)[0] == t.peak_bytes
+    assert step.peak.peak(b, s, tensors=True)[0] == t.tensor_peak_bytes
