@@ -45,9 +45,7 @@ from remat.problem import Problem, Role
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.bound import Moment, backward_moments, read_span
 from remat.solver.config import SolverConfig
-from remat.solver.fixed import must_save
 from remat.solver.fronts import OUTSIDE_READS, KeptProblem, Tangent, kept_problem, tangent
-from remat.solver.plan import Proof, make_plan
 from remat.solver.structure import Structure, find_structure
 
 ROUNDS = 8
@@ -129,7 +127,7 @@ def block_bound(
         afters.append(variant if len(fed) == 1 and mine <= reads else None)
     moments = backward_moments(problem, at=heads)
     fronts = [
-        _Front(kp, after, _first_weight(kp), can)
+        _Front(kp, after, kp.slope(), can)
         for kp, after, can in zip(kps, afters, reachable, strict=True)
     ]
     best: float | None = None
@@ -205,14 +203,6 @@ def _read_from_blocks(problem: Problem, structure: Structure) -> set[str]:
         for i in values[n].inputs
         if i in in_block
     }
-
-
-def _first_weight(kp: KeptProblem) -> float:
-    """The front's average slope: recomputing everything that can be, over keep-all's kept."""
-    least = make_plan(
-        kp.problem, must_save(kp.problem), solver="", reason="", proof=Proof.HEURISTIC
-    )
-    return least.recompute_time_s / max(1, kp.most)
 
 
 def _knapsack(

@@ -8,7 +8,10 @@ and the heuristics leave time on the table. But it is a chain of identical block
 2. **Menus.** One representative block per class is cut out as a problem of its own and solved
    with the exact MILP: walking down the Pareto front of (bytes the block keeps for the
    backward, recompute time) from keep-all, each solve asking for less than the last plan
-   kept; then at a few budgets on its own backward peak; plus keep-only-what-must-be-kept.
+   kept; then at a few budgets on its own backward peak; plus keep-only-what-must-be-kept;
+   plus points of its front (the best plans of recompute plus a price per byte kept), both of
+   the block alone and of the block as the backward's first moments see it
+   (:func:`remat.solver.fronts.kept_problem`).
    Each distinct plan is an *option*, mapped onto every block of the class by position.
 3. **Costs in context.** Each option is applied to every block at once and the whole step is
    simulated. From that timeline, per block: the bytes its saved values hold for the backward
@@ -59,6 +62,7 @@ from remat.solver.bound import backward_bound
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
+from remat.solver.fronts import KeptProblem, kept_problem
 from remat.solver.milp import exact, kept_tradeoff, min_peak
 from remat.solver.plan import Plan, Proof, make_plan, proven
 from remat.solver.schedule import InvalidPlanError
@@ -499,6 +503,9 @@ solves each block's menu once."""
 FRONT_WEIGHTS = (0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0)
 """Seconds per byte kept, in units of a block's average slope (recomputing all it can, over
 what keep-all keeps), at which :func:`_front_plans` touches the block's front."""
+FRONT_SHARE = 6
+"""A front point's solve may take the chain's time limit over this (10 s of 60), within the
+menu's."""
 _MENUS: collections.OrderedDict[tuple[object, ...], list[Option]] = collections.OrderedDict()
 
 
@@ -507,12 +514,19 @@ def _cached_menu(
 ) -> list[Option]:
     """Menus depend on the block's problems and the solver's settings, not on the budget nor
     on which capture the block came from: the key is their whole content."""
-    sub, keep_all, heavy = _block_problems(problem, structure.blocks[cls[0]])
-    key = (sub.content, heavy.content, dataclasses.replace(config, progress=None))
+    block = structure.blocks[cls[0]]
+    sub, keep_all, heavy = _block_problems(problem, block)
+    kept = kept_problem(problem, block)
+    key = (
+        sub.content,
+        heavy.content,
+        kept.problem.content if kept else None,
+        dataclasses.replace(config, progress=None),
+    )
     if key in _MENUS:
         _MENUS.move_to_end(key)
         return _MENUS[key]
-    menu = _menu(sub, keep_all, heavy, config)
+    menu = _menu(sub, keep_all, heavy, config, kept)
     _MENUS[key] = menu
     if len(_MENUS) > MENU_CACHE:
         _MENUS.popitem(last=False)
@@ -533,9 +547,17 @@ def _block_problems(problem: Problem, block: Block) -> tuple[Problem, Plan, Prob
     return sub, keep_all, block_problem(problem, block, keep_all.predicted_peak_bytes)
 
 
-def _menu(sub: Problem, keep_all: Plan, heavy: Problem, config: SolverConfig) -> list[Option]:
+def _menu(
+    sub: Problem,
+    keep_all: Plan,
+    heavy: Problem,
+    config: SolverConfig,
+    kept: KeptProblem | None = None,
+) -> list[Option]:
     """Distinct plans of a block (``sub``), from keep-all to least peak; ``keep_all`` and
-    ``heavy`` (the block with a ballast): :func:`_block_problems`."""
+    ``heavy`` (the block with a ballast): :func:`_block_problems`; ``kept``: the block as the
+    backward's first moments see it (:func:`remat.solver.fronts.kept_problem`), for more
+    points of its front."""
     fwd = sub.forward_names
     per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
     deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
@@ -563,7 +585,15 @@ def _menu(sub: Problem, keep_all: Plan, heavy: Problem, config: SolverConfig) ->
     for k in range(1, 2 * MENU_POINTS):
         if time.perf_counter() < deadline:
             solve_heavy(bottom + (top - bottom) * k // (2 * MENU_POINTS))
-    plans += _front_plans(sub, keep_all, least, per, deadline)
+    # The fronts' points get more time than a budgeted solve: an incumbent cut short is
+    # no point of the front.
+    front = dataclasses.replace(
+        config, time_limit_s=max(per.time_limit_s, config.time_limit_s / FRONT_SHARE)
+    )
+    slope = least.recompute_time_s / max(1, keep_all.simulation.saved_bytes)
+    plans += _front_plans(sub, sub, slope, front, deadline)
+    if kept is not None:
+        plans += _front_plans(sub, kept.problem, kept.slope(), front, deadline, kept.stage)
     # Options trading the block's own backward peak against time (the binding constraint of
     # the last blocks, whose backward runs with everything before them kept).
     with contextlib.suppress(RuntimeError):
@@ -594,21 +624,31 @@ def _menu(sub: Problem, keep_all: Plan, heavy: Problem, config: SolverConfig) ->
 
 
 def _front_plans(
-    sub: Problem, keep_all: Plan, least: Plan, config: SolverConfig, deadline: float
+    sub: Problem,
+    on: Problem,
+    slope: float,
+    config: SolverConfig,
+    deadline: float,
+    stage: int = 0,
 ) -> list[Plan]:
-    """Points of the block's front of recompute against bytes kept for the backward: the
-    best plans of ``recompute + w * kept`` (:func:`remat.solver.milp.kept_tradeoff`) for the
-    weights of :data:`FRONT_WEIGHTS` (``least``: the block's keep-inputs plan, which with
-    ``keep_all`` sets their unit). Why: the budgeted solves step the budget in strides
-    and stop at their time limits, and miss points of the front between them (Llama-70B's
-    block: the menu kept 722 MB for 4.42 ms where the front has 689 MB for 2.68 ms)."""
+    """Points of the block's front of recompute against bytes kept for the backward, as plans
+    of ``sub``: the best plans of ``on`` (``sub``, or its :class:`KeptProblem`'s problem, with
+    its ``stage``) for ``recompute + w * kept`` (:func:`remat.solver.milp.kept_tradeoff`) at
+    the weights of :data:`FRONT_WEIGHTS` times ``slope``. Why: the budgeted solves step the
+    budget in strides and stop at their time limits, and miss points of the front between
+    them (Llama-70B's block: the menu kept 722 MB for 4.42 ms where the front has 689 MB for
+    2.68 ms). And the kept problem's front is what the backward's first moments hold, where
+    a deep stack's step peaks: it counts as kept what the backward outside the block reads
+    of it (the next block reads its input), which ``sub`` does not (Llama-70B: its point at
+    143 MB for 7.77 ms is none of ``sub``'s)."""
     fwd = set(sub.forward_names)
-    slope = least.recompute_time_s / max(1, keep_all.simulation.saved_bytes)
     out: list[Plan] = []
     for f in FRONT_WEIGHTS if slope > 0 else ():
-        if time.perf_counter() > deadline:
+        left = deadline - time.perf_counter()
+        if left <= 0:
             break
-        found = kept_tradeoff(sub, slope * f, config)
+        limit = dataclasses.replace(config, time_limit_s=min(config.time_limit_s, left))
+        found = kept_tradeoff(on, slope * f, limit, stage=stage)
         if found is None:
             continue
         with contextlib.suppress(InvalidPlanError):

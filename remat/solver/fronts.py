@@ -54,6 +54,14 @@ class KeptProblem:
         at = next(t for t in plan.simulation.timeline if t.name == "output gradients")
         return at.allocated_bytes - self.fixed_bytes
 
+    def slope(self) -> float:
+        """The front's average slope, seconds per byte: recomputing everything that can be,
+        over keep-all's kept (the unit of the tangents' weights)."""
+        least = make_plan(
+            self.problem, must_save(self.problem), solver="", reason="", proof=Proof.HEURISTIC
+        )
+        return least.recompute_time_s / max(1, self.most)
+
 
 def kept_problem(problem: Problem, block: Block, *, after: bool = False) -> KeptProblem | None:
     """``block`` of ``problem`` as a :class:`KeptProblem`. ``after``: what the block holds

@@ -21,6 +21,7 @@ from remat.solver.chain import (
     chain_solver,
 )
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.fronts import kept_problem
 from remat.solver.registry import least_peak, solve
 from remat.solver.structure import block_problem, find_structure
 from tests.checks import assert_trains_like_eager
@@ -203,7 +204,9 @@ def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> Non
 
     solved: list[tuple[Problem, SolverConfig]] = []
 
-    def menu(sub: Problem, keep_all: object, heavy: Problem, config: SolverConfig) -> list[object]:
+    def menu(
+        sub: Problem, keep_all: object, heavy: Problem, config: SolverConfig, kept: object
+    ) -> list[object]:
         solved.append((sub, config))
         return []
 
@@ -229,8 +232,9 @@ def test_the_menu_holds_points_of_the_block_s_front_none_of_its_options_beats(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """chain._front_plans (the best plans of recompute plus a price per byte kept) are
-    points of the block's front: no option of the block's menu keeps as little and
-    recomputes less; and the menu holds them."""
+    points of the block's front, and of its front as the backward's first moments see it
+    (its kept problem): no option of the block's menu keeps as little and recomputes less;
+    and the menu asks for both."""
     from remat.solver import chain
 
     # The prices whose solves finish in well under a second here (so each is optimal, far
@@ -239,26 +243,41 @@ def test_the_menu_holds_points_of_the_block_s_front_none_of_its_options_beats(
     model, x = _gpt(3)
     problem = remat.analyze(model, (x,)).problem
     s = find_structure(problem)
-    sub, keep_all, heavy = chain._block_problems(problem, s.blocks[s.classes[0][0]])
+    block = s.blocks[s.classes[0][0]]
+    sub, keep_all, heavy = chain._block_problems(problem, block)
+    kp = kept_problem(problem, block)
+    assert kp is not None
     least = chain.make_plan(
         sub, chain.must_save(sub), solver="", reason="", proof=chain.Proof.HEURISTIC
     )
-    fronts = chain._front_plans(sub, keep_all, least, CONFIG, float("inf"))
-    assert fronts and {p.solver for p in fronts} == {"front"}
+    slope = least.recompute_time_s / keep_all.simulation.saved_bytes
     fwd = set(sub.forward_names)
 
-    def kept(saved: frozenset[str]) -> int:
+    def on_sub(saved: frozenset[str]) -> tuple[int, float]:
         plan = chain.make_plan(sub, saved, solver="", reason="", proof=chain.Proof.HEURISTIC)
-        return plan.simulation.saved_bytes
+        return plan.simulation.saved_bytes, plan.recompute_time_s
+
+    def on_kept(saved: frozenset[str]) -> tuple[int, float]:
+        mine = (saved & set(kp.problem.by_name)) | set(chain.must_save(kp.problem))
+        p = chain.make_plan(kp.problem, mine, solver="", reason="", proof=chain.Proof.HEURISTIC)
+        return kp.kept(p), p.recompute_time_s
 
     quick = SolverConfig(time_limit_s=2)  # a shorter menu: its options are what is compared
-    menu = chain._menu(sub, keep_all, heavy, quick)
-    for p in fronts:
-        mine = kept(frozenset(n for n in p.schedule.saved if n in fwd))
-        for o in menu:
-            assert not (kept(o.saved) <= mine and o.time_s < p.recompute_time_s * (1 - 1e-9)), o
-    # The menu asks _front_plans for its options, within its own time.
+    menu = chain._menu(sub, keep_all, heavy, quick, kp)
+    inf = float("inf")
+    for measure, fronts in (
+        (on_sub, chain._front_plans(sub, sub, slope, CONFIG, inf)),
+        (on_kept, chain._front_plans(sub, kp.problem, kp.slope(), CONFIG, inf, kp.stage)),
+    ):
+        assert fronts and {p.solver for p in fronts} == {"front"}
+        for p in fronts:
+            mine, time_s = measure(frozenset(n for n in p.schedule.saved if n in fwd))
+            for o in menu:
+                theirs, their_time_s = measure(o.saved)
+                assert not (theirs <= mine and their_time_s < time_s * (1 - 1e-9)), o
+    # The menu asks _front_plans for its options, on the block and on its kept problem.
     calls: list[tuple[object, ...]] = []
     monkeypatch.setattr(chain, "_front_plans", lambda *args: calls.append(args) or [])
-    chain._menu(sub, keep_all, heavy, quick)
-    assert len(calls) == 1 and calls[0][0] is sub and calls[0][1] is keep_all
+    chain._menu(sub, keep_all, heavy, quick, kp)
+    assert [c[:2] for c in calls] == [(sub, sub), (sub, kp.problem)]
+    assert calls[1][2] == kp.slope() and calls[1][5] == kp.stage
