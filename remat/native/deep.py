@@ -48,6 +48,7 @@ __all__ = [
     "deep_sample",
     "increments",
     "larger",
+    "matched",
 ]
 
 
@@ -88,10 +89,11 @@ class Edges:
 
 
 EDGES = Edges(head=2, tail=1)
-"""FSDP2's (module docstring), tried first."""
+"""The edges of a stack under FSDP2 (module docstring), tried first (a stack without FSDP2
+matches them too)."""
 WIDE = Edges(head=2, tail=2)
-"""Also for stacks whose second block from the end differs (a region outside the blocks at
-the end, or its neighbour's hooks), where :data:`EDGES` do not match."""
+"""The wider edges, for a stack whose block before the last differs from the middle ones too:
+where the copies for :data:`EDGES` do not match."""
 
 Key = tuple[object, ...]
 Keyed = dict[object, list[tuple[Key, OpEvent]]]
@@ -171,7 +173,7 @@ def _affine(
 def _copy_step(x: StepTrace | CopyStep, blocks: int, edges: Edges, every_event: bool) -> CopyStep:
     if isinstance(x, CopyStep):
         if (x.blocks, x.edges) != (blocks, edges):
-            raise ValueError(f"a copy with {x.blocks} blocks keyed by {x.edges}, not {blocks}")
+            raise ValueError(f"a copy of {x.blocks} blocks by {x.edges}, not {blocks} by {edges}")
         return x
     return CopyStep.of(x, blocks, edges, every_event=every_event)
 
