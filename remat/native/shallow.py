@@ -29,12 +29,10 @@ from remat.solver.formula import FitError
 
 __all__ = ["MIN_REGIONS", "SHALLOW", "Copy", "UniformCosts", "truncated", "uniform_costs"]
 
-EDGES = WIDE
-"""Regions at each end that differ from the middle ones: the wider edges, those this path
-has been checked with (regions outside the stack sit among them); the fit's copies try
-narrower ones first (:data:`remat.native.deep.EDGES`)."""
-SHALLOW = EDGES.copies
-"""Regions of the two copies."""
+SHALLOW = WIDE.copies
+"""Regions of the two copies: two at each end taken as differing from the middle ones
+(:data:`remat.native.deep.WIDE`), the layout this path has been checked with; the fit's
+copies try narrower edges first (:data:`remat.native.deep.EDGES`)."""
 MIN_REGIONS = sum(SHALLOW) + 1
 """Regions from which the copies' two steps cost less than one of the model's."""
 
@@ -119,8 +117,8 @@ def uniform_costs(
         for name in names:
             small, large = (trace(name) for trace in tracers)
             layers = len(regions)
-            peak = deep_sample(small, large, layers, EDGES).peak
-            out.append((deep_costs(small, large, layers, EDGES), peak))
+            peak = deep_sample(small, large, layers, WIDE).peak
+            out.append((deep_costs(small, large, layers, WIDE), peak))
         return out
 
     return costs
