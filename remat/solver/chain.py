@@ -24,23 +24,30 @@ and the heuristics leave time on the table. But it is a chain of identical block
    wins. Exact for this decomposition and this additive model.
 5. **The simulator has the last word.** The stitched plan is simulated; if its peak is over the
    budget (the additive model is an approximation at block boundaries), the DP is solved again
-   for a budget smaller by the excess. From the first plan that fits, a local search moves
-   single blocks to cheaper options while the simulated plan still fits.
-6. **Refinement in context** (when the whole problem is small enough for the flat MILP's model,
+   for a budget smaller by the excess, then bisected between the DP budgets that fit and that
+   did not (the model is conservative at some moments, the first plan that fits may leave
+   memory unused). Then a local search moves single blocks to cheaper options while the
+   simulated plan still fits.
+6. **Seams** (remat's own executor): the search again with runs of block boundaries whose
+   output is recomputed from the nearest kept one before it, each block saving a cheaper
+   replacement for its output (:mod:`remat.solver.seams`), and without the values outside
+   the blocks that cost less per byte to recompute than the chain trades on average; the
+   cheaper of the plans with and without seams wins.
+7. **Refinement in context** (when the whole problem is small enough for the flat MILP's model,
    ``SolverConfig.max_milp_values``): windows of values (first, every block's values near its
    menu option at once; then the first block with everything outside the blocks, the last
    likewise, then adjacent pairs) are re-solved by the exact MILP with the rest of the plan
    fixed, while time remains, to recover what the decomposition misses where blocks meet each
    other and the embeddings and head, and memory one block can give another.
 
-7. **A lower bound** at any size: :func:`remat.solver.bound.backward_bound` (the backward's
+8. **A lower bound** at any size: :func:`remat.solver.bound.backward_bound` (the backward's
    start and its ops' moments, one binary per value, no time index), recorded as the plan's
    ``lower_bound_s``; with ``SolverConfig.floor_time_s``, also the tighter one from the
    blocks' exact fronts (:mod:`remat.solver.block_bound`), the larger of the two.
 
-Values outside the blocks (embeddings, head, loss) keep what their backward reads; every block's
-inputs are saved when its recomputation needs them, so recomputation never crosses a block
-boundary (no multi-block segments).
+Outside seams, values outside the blocks (embeddings, head, loss) keep what their backward
+reads, and every block's inputs are saved when its recomputation needs them, so recomputation
+does not cross a block boundary.
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import pulp
 
@@ -66,9 +74,21 @@ from remat.solver.fronts import KeptProblem, kept_problem
 from remat.solver.milp import exact, kept_tradeoff, min_peak
 from remat.solver.plan import Plan, Proof, make_plan, proven
 from remat.solver.schedule import InvalidPlanError
+from remat.solver.seams import (
+    Swap,
+    apply_seams,
+    boundaries,
+    find_swap,
+    outside_candidates,
+    patterns,
+)
 from remat.solver.simulate import Simulation
 from remat.solver.structure import BALLAST, Block, Structure, block_problem, find_structure
 
+NONE: frozenset[int] = frozenset()
+"""No seams."""
+NOTHING: frozenset[str] = frozenset()
+"""No value outside the blocks dropped."""
 MENU_POINTS = 6
 """Budgets the representative block is solved at between its least and keep-all peaks."""
 MENU_SHARE = 0.7
@@ -163,9 +183,14 @@ class ChainMenu:
     structure: Structure
     menus: dict[tuple[int, ...], list[Option]]
     options_of: list[list[Option]]
-    stitch: Callable[[Sequence[int]], frozenset[str]]
-    """The saved set of one option per block."""
+    stitch: Callable[..., frozenset[str]]
+    """``stitch(choice, seams, dropped)``: the saved set of one option per block, with seams
+    at the given boundaries (:mod:`remat.solver.seams`; a block whose option has no swap
+    keeps its output) and without the values ``dropped`` outside the blocks."""
     uniform: list[Plan]
+    seams: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    """Boundaries (block ``k`` to ``k + 1``) that may be seams, and block ``k``'s output
+    there (:func:`remat.solver.seams.boundaries`)."""
 
 
 def chain_menu(problem: Problem, config: SolverConfig) -> ChainMenu:
@@ -184,12 +209,17 @@ def chain_menu(problem: Problem, config: SolverConfig) -> ChainMenu:
     options_of = [menus[next(c for c in structure.classes if k in c)] for k in range(len(blocks))]
     maps = {k: structure.correspondence(c[0], k) for c in structure.classes for k in c}
 
-    def stitch(choice: Sequence[int]) -> frozenset[str]:
-        saved = set(fixed)
-        for k, o in enumerate(choice):
-            option = options_of[k][min(o, len(options_of[k]) - 1)]
-            saved |= {maps[k][n] for n in option.saved}
-        return frozenset(saved)
+    outputs = boundaries(problem, structure)
+    swap_of = _swaps(problem, structure, outputs, options_of, maps)
+
+    def stitch(
+        choice: Sequence[int], seams: frozenset[int] = NONE, dropped: frozenset[str] = NOTHING
+    ) -> frozenset[str]:
+        saved = set(fixed - dropped)
+        picked = [min(o, len(options_of[k]) - 1) for k, o in enumerate(choice)]
+        for k, o in enumerate(picked):
+            saved |= {maps[k][n] for n in options_of[k][o].saved}
+        return apply_seams(saved, outputs, {k: swap_of(k, picked[k]) for k in seams})
 
     n_opts = max(len(m) for m in menus.values())
     uniform = [
@@ -198,7 +228,39 @@ def chain_menu(problem: Problem, config: SolverConfig) -> ChainMenu:
         )
         for o in range(n_opts)
     ]
-    return ChainMenu(structure, menus, options_of, stitch, uniform)
+    return ChainMenu(structure, menus, options_of, stitch, uniform, outputs)
+
+
+def _swaps(
+    problem: Problem,
+    structure: Structure,
+    outputs: dict[int, str],
+    options_of: list[list[Option]],
+    maps: dict[int, dict[str, str]],
+) -> Callable[[int, int], Swap | None]:
+    """Block ``k``'s swap under its option ``o``, in block ``k``'s names: found once per
+    class, option and output position in the class's representative block."""
+    rep = {k: c[0] for c in structure.classes for k in c}
+    back = {k: {b: a for a, b in maps[k].items()} for k in outputs}
+    subs: dict[int, Problem] = {}
+    found: dict[tuple[int, int, str], Swap | None] = {}
+
+    def swap_of(k: int, o: int) -> Swap | None:
+        r = rep[k]
+        name = back[k].get(outputs[k])
+        if name is None:
+            return None
+        key = (r, o, name)
+        if key not in found:
+            if r not in subs:
+                subs[r] = block_problem(problem, structure.blocks[r])
+            found[key] = find_swap(subs[r], name, options_of[k][o].saved)
+        sw = found[key]
+        if sw is None:
+            return None
+        return dataclasses.replace(sw, saved=frozenset(maps[k][n] for n in sw.saved))
+
+    return swap_of
 
 
 def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
@@ -217,47 +279,34 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     # No budget: the least peak the chain reaches.
     least = min(p.predicted_peak_bytes for p in uniform)
     target = least if budget_bytes is None else budget_bytes
-    best: Plan | None = None
-    best_choice: list[int] = []
-    first_over: list[int] | None = None
-    dp_budget = target
-    step = max(1, target // GRID)
-    tried: set[tuple[int, ...]] = set()
-    for _ in range(DP_ROUNDS):
-        found = chain_dp(costs, dp_budget, len(blocks))
-        if found is None:
-            break
-        key = tuple(found)
-        if key in tried:  # the DP's grid hides the difference: ask for less, faster
-            dp_budget -= step
-            step *= 2
-            continue
-        tried.add(key)
-        plan = make_plan(
-            problem, stitch(found), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
-        )
-        over = plan.predicted_peak_bytes - target
-        if over <= 0:
-            best, best_choice = plan, found
-            break
-        if first_over is None:
-            first_over = found
-        dp_budget -= over
-    if config.progress:
-        config.progress("chain: local search on the simulated plan")
-    if first_over is not None:
-        # The DP's cheapest choice was over budget by a little: one block moved may fix it.
-        repaired = _repair(
-            problem, first_over, target, options_of, stitch, t0 + config.time_limit_s
-        )
-        if repaired is not None and (
-            best is None or repaired[0].recompute_time_s < best.recompute_time_s
-        ):
-            best, best_choice = repaired
+    deadline = t0 + config.time_limit_s
+    plain = partial(stitch, seams=NONE)
+    found = _search(problem, costs, target, options_of, plain, deadline, config, polish=False)
+    best, best_choice = found if found is not None else (None, [])
+    seamed: tuple[Plan, list[int]] | None = None
+    dropped = NOTHING
+    if menu.seams and best is not None and best.recompute_time_s > 0:
+        if config.progress:
+            config.progress("chain: seams (recomputation across block boundaries)")
+        dropped = _outside_drops(problem, menu, best, best_choice)
+        plain = partial(stitch, seams=NONE, dropped=dropped)
+        # The search with seams first: where a run of them lowers the peak it frees
+        # gigabytes at 7B-70B, more than the local search without them finds (Llama-70B at
+        # 80 GB: 306 ms of recompute without, 266 ms with); the latter gets what is left.
+        seamed = _seamed(problem, menu, best, best_choice, dropped, target, deadline, config)
     if best is not None:
-        best = _local_search(
-            problem, best, best_choice, target, options_of, stitch, t0 + config.time_limit_s
+        start = best
+        with contextlib.suppress(InvalidPlanError):
+            start = make_plan(
+                problem, plain(best_choice), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
+            )
+        if start.predicted_peak_bytes > target:  # the drops lowered this choice's peak
+            start = best
+        best, best_choice = _local_search(
+            problem, start, best_choice, target, options_of, plain, deadline
         )
+    if seamed is not None and (best is None or seamed[0].recompute_time_s < best.recompute_time_s):
+        best, best_choice = seamed
     # The uniform plans are candidates too (the DP's model could have ruled one out wrongly).
     for p in uniform:
         if p.predicted_peak_bytes <= target and (
@@ -303,6 +352,12 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
             else ""
         )
     )
+    again = set(best.recomputed)
+    crossed = sum(name in again for name in menu.seams.values())
+    if crossed:
+        reason += f", {crossed} block output(s) recomputed across a block boundary"
+    if dropped & again:
+        reason += f", {len(dropped & again)} value(s) outside the blocks recomputed"
     if bound is not None:
         bound = min(bound, best.recompute_time_s)  # solver tolerances
         reason += f", lower bound {bound * 1e3:.4g} ms ({floor})"
@@ -311,6 +366,159 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         best, solver="chain", reason=reason, proof=Proof.NEIGHBOURHOOD, lower_bound_s=bound
     )
     return dataclasses.replace(plan, proof=proven(plan))
+
+
+def _search(
+    problem: Problem,
+    costs: list[ChainCosts],
+    target: int,
+    options_of: Sequence[Sequence[Option]],
+    stitch: Callable[[Sequence[int]], frozenset[str]],
+    deadline: float,
+    config: SolverConfig,
+    polish: bool = True,
+) -> tuple[Plan, list[int]] | None:
+    """Steps 4 and 5 of the module docstring: the DP, solved again for less while the
+    simulated plan is over ``target`` and then, between the budgets that fit and that did
+    not, for more while it fits (the DP's model is conservative at some moments, so the
+    first plan that fits may leave memory unused); a one-block repair; then (``polish``) the
+    local search."""
+    n_blocks = len(options_of)
+    best: Plan | None = None
+    best_choice: list[int] = []
+    first_over: list[int] | None = None
+    fits_at: int | None = None  # the largest DP budget whose plan fit
+    over_at: int | None = None  # the least DP budget whose plan was over
+    dp_budget = target
+    step = max(1, target // GRID)
+    outcome: dict[tuple[int, ...], int] = {}  # a choice's simulated peak over the target
+    for _ in range(DP_ROUNDS):
+        found = chain_dp(costs, dp_budget, n_blocks)
+        if found is None:
+            break
+        key = tuple(found)
+        fresh = key not in outcome
+        if fresh:
+            plan = make_plan(
+                problem, stitch(found), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
+            )
+            outcome[key] = plan.predicted_peak_bytes - target
+            if outcome[key] <= 0 and (
+                best is None or plan.recompute_time_s < best.recompute_time_s
+            ):
+                best, best_choice = plan, found
+            elif outcome[key] > 0 and first_over is None:
+                first_over = found
+        if outcome[key] <= 0:
+            fits_at = dp_budget
+        else:
+            over_at = dp_budget if over_at is None else min(over_at, dp_budget)
+        if fits_at is None:
+            if fresh:
+                dp_budget -= outcome[key]
+            else:  # the DP's grid hides the difference: ask for less, faster
+                dp_budget -= step
+                step *= 2
+        elif over_at is None or over_at - fits_at <= 2 * step:
+            break
+        else:
+            dp_budget = (fits_at + over_at) // 2
+    if config.progress:
+        config.progress("chain: local search on the simulated plan")
+    if first_over is not None:
+        # The DP's cheapest choice was over budget by a little: one block moved may fix it.
+        repaired = _repair(problem, first_over, target, options_of, stitch, deadline, costs)
+        if repaired is not None and (
+            best is None or repaired[0].recompute_time_s < best.recompute_time_s
+        ):
+            best, best_choice = repaired
+    if best is None or not polish:
+        return None if best is None else (best, best_choice)
+    return _local_search(problem, best, best_choice, target, options_of, stitch, deadline, costs)
+
+
+def _outside_drops(
+    problem: Problem, menu: ChainMenu, plan: Plan, choice: list[int]
+) -> frozenset[str]:
+    """Values outside the blocks that ``plan`` need not save (see
+    :func:`remat.solver.seams.outside_candidates`): each, cheapest per byte first, while it
+    costs less per byte than the chain's uniform plans trade on average (recompute-most
+    against keep-all) and dropping it lowers the simulated peak."""
+    keep_all, most = menu.uniform[0], menu.uniform[-1]
+    freed = keep_all.saved_bytes - most.saved_bytes
+    if freed <= 0:
+        return NOTHING
+    slope = (most.recompute_time_s - keep_all.recompute_time_s) / freed
+    inside = {n for b in menu.structure.blocks for n in (*b.forward, *b.backward)}
+    dropped: set[str] = set()
+    peak = plan.predicted_peak_bytes
+    found = outside_candidates(problem, inside, plan.schedule.saved, plan.recomputed)
+    for rate, name in found:
+        if rate > slope:
+            break
+        with contextlib.suppress(InvalidPlanError):
+            trial = frozenset(dropped | {name})
+            p = make_plan(
+                problem,
+                menu.stitch(choice, NONE, trial),
+                solver="",
+                reason="",
+                proof=Proof.HEURISTIC,
+            )
+            if p.predicted_peak_bytes < peak:
+                dropped, peak = set(trial), p.predicted_peak_bytes
+    return frozenset(dropped)
+
+
+def _seamed(
+    problem: Problem,
+    menu: ChainMenu,
+    plan: Plan,
+    choice: list[int],
+    dropped: frozenset[str],
+    target: int,
+    deadline: float,
+    config: SolverConfig,
+) -> tuple[Plan, list[int]] | None:
+    """The chain's search again with seams (:mod:`remat.solver.seams`) and without the
+    values ``dropped`` outside the blocks: of the runs of
+    :func:`~remat.solver.seams.patterns`, the one whose seams lower ``plan``'s simulated peak
+    most; then every option's uniform plan with those seams, for the costs in context, and
+    the DP and local search on them. None where no run lowers the peak."""
+    tried = []
+    for seams in patterns(menu.seams):
+        with contextlib.suppress(InvalidPlanError):
+            p = make_plan(
+                problem,
+                menu.stitch(choice, seams, dropped),
+                solver="",
+                reason="",
+                proof=Proof.HEURISTIC,
+            )
+            tried.append((p.predicted_peak_bytes, p.recompute_time_s, sorted(seams), seams))
+    if not tried or min(tried)[0] >= plan.predicted_peak_bytes:
+        return None
+    *_, seams = min(tried)
+    n = len(menu.options_of)
+    try:
+        uniform = [
+            make_plan(
+                problem,
+                menu.stitch([o] * n, seams, dropped),
+                solver="chain",
+                reason="",
+                proof=Proof.NEIGHBOURHOOD,
+            )
+            for o in range(len(menu.uniform))
+        ]
+    except InvalidPlanError:
+        return None
+    costs = [_costs(problem, menu.structure, u.schedule.saved, u.simulation) for u in uniform]
+
+    def stitch(c: Sequence[int]) -> frozenset[str]:
+        return menu.stitch(c, seams, dropped)
+
+    return _search(problem, costs, target, menu.options_of, stitch, deadline, config)
 
 
 def _refine(
@@ -418,25 +626,27 @@ def _repair(
     options_of: Sequence[Sequence[Option]],
     stitch: Callable[[Sequence[int]], frozenset[str]],
     deadline: float,
+    costs: Sequence[ChainCosts],
 ) -> tuple[Plan, list[int]] | None:
-    """The cheapest plan that fits among those moving one block of ``choice`` to another
-    option (None if none fits in time)."""
-    found: tuple[Plan, list[int]] | None = None
-    for k, options in enumerate(options_of):
-        for o in range(len(options)):
-            if o == choice[k]:
-                continue
-            if time.perf_counter() > deadline:
-                return found
-            trial = [*choice[:k], o, *choice[k + 1 :]]
-            plan = make_plan(
-                problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
-            )
-            if plan.predicted_peak_bytes <= target and (
-                found is None or plan.recompute_time_s < found[0].recompute_time_s
-            ):
-                found = (plan, trial)
-    return found
+    """The cheapest plan that fits among those moving one block of ``choice`` to an option
+    that keeps less (by ``costs``), or None if none fits in time. Moves are simulated in
+    order of the time they add, so the first that fits is the cheapest."""
+    moves = sorted(
+        (options[o].time_s - options[choice[k]].time_s, k, o)
+        for k, options in enumerate(options_of)
+        for o in range(len(options))
+        if costs[min(o, len(costs) - 1)].keep[k] < costs[min(choice[k], len(costs) - 1)].keep[k]
+    )
+    for _, k, o in moves:
+        if time.perf_counter() > deadline:
+            return None
+        trial = [*choice[:k], o, *choice[k + 1 :]]
+        plan = make_plan(
+            problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
+        )
+        if plan.predicted_peak_bytes <= target:
+            return plan, trial
+    return None
 
 
 def _local_search(
@@ -447,33 +657,47 @@ def _local_search(
     options_of: Sequence[Sequence[Option]],
     stitch: Callable[[Sequence[int]], frozenset[str]],
     deadline: float,
-) -> Plan:
+    costs: Sequence[ChainCosts] | None = None,
+) -> tuple[Plan, list[int]]:
     """Move single blocks to cheaper options while the simulated plan still fits (the DP's
-    additive model is conservative at block boundaries; the simulator is exact)."""
+    additive model is conservative at block boundaries; the simulator is exact). Moves are
+    tried largest saving first; with ``costs``, only those whose extra bytes kept (in the
+    uniform plans' context) fit in what the plan leaves of the budget, since every block's
+    keep is live at the step's last forward moment. Why: each try simulates the whole step
+    (a quarter second at 70B), and most moves of a plan found under the budget cannot fit."""
     choice = list(choice)
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
+        slack = target - plan.predicted_peak_bytes
+        moves = []
         for k, options in enumerate(options_of):
             current = options[choice[k]].time_s
-            cheaper = sorted(
-                (o for o in range(len(options)) if options[o].time_s < current),
-                key=lambda o: options[o].time_s,
+            for o in range(len(options)):
+                if options[o].time_s >= current:
+                    continue
+                if costs is not None:
+                    extra = (
+                        costs[min(o, len(costs) - 1)].keep[k]
+                        - costs[min(choice[k], len(costs) - 1)].keep[k]
+                    )
+                    if extra > slack:
+                        continue
+                moves.append((options[o].time_s - current, k, o))
+        for _, k, o in sorted(moves):
+            if time.perf_counter() > deadline:
+                return plan, choice
+            trial = [*choice[:k], o, *choice[k + 1 :]]
+            candidate = make_plan(
+                problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
             )
-            for o in cheaper:
-                if time.perf_counter() > deadline:
-                    return plan
-                trial = [*choice[:k], o, *choice[k + 1 :]]
-                candidate = make_plan(
-                    problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
-                )
-                if (
-                    candidate.predicted_peak_bytes <= target
-                    and candidate.recompute_time_s < plan.recompute_time_s
-                ):
-                    plan, choice, improved = candidate, trial, True
-                    break
-    return plan
+            if (
+                candidate.predicted_peak_bytes <= target
+                and candidate.recompute_time_s < plan.recompute_time_s
+            ):
+                plan, choice, improved = candidate, trial, True
+                break
+    return plan, choice
 
 
 def _outside_saved(problem: Problem, structure: Structure) -> frozenset[str]:
@@ -680,13 +904,24 @@ def _costs(
     costs = ChainCostsBuilder(keep)
     current = -1
     seen_block = False
-    for step in sim.timeline:
+    # A recomputation runs for the backward op after it: at a seam, block k's output is
+    # recomputed for block k + 1's backward, whose moment it is.
+    running = [-1] * len(sim.timeline)
+    nxt = -1
+    for i in range(len(sim.timeline) - 1, -1, -1):
+        step = sim.timeline[i]
+        if step.phase == "backward" and not step.recompute:
+            nxt = where.get(step.name, -1)
+        running[i] = nxt
+    for i, step in enumerate(sim.timeline):
         k = where.get(step.name, -1)
         if step.phase == "forward":
             if k >= 0:
                 current, seen_block = k, True
             costs.add("forward", k, step.allocated_bytes, before_regions=not seen_block)
             continue
+        if step.recompute and running[i] >= 0:
+            k = running[i]
         if k >= 0:
             current = k
         elif step.phase != "runtime":

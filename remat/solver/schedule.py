@@ -23,6 +23,7 @@ The executor:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role
@@ -103,7 +104,7 @@ def _backward_order(
     for v in problem.values:
         if v.role is not Role.BACKWARD:
             continue
-        missing = _recompute_closure(problem, v.inputs, available)
+        missing = recompute_closure(problem, v.inputs, available)
         for name in sorted(missing, key=index.__getitem__):
             backward.append(name)
             recomputed.append(name)
@@ -156,7 +157,9 @@ def _second_copies(
     return frozenset(promote)
 
 
-def _recompute_closure(problem: Problem, names: Iterable[str], available: set[str]) -> set[str]:
+def recompute_closure(
+    problem: Problem, names: Iterable[str], available: AbstractSet[str]
+) -> set[str]:
     """Forward values that must be recomputed so that all of ``names`` are available."""
     values = problem.by_name
     missing: set[str] = set()
