@@ -132,3 +132,32 @@ def test_apply_seams_leaves_a_block_without_a_swap_as_it_is() -> None:
     renamed = dataclasses.replace(swap, saved=frozenset({"small0"}))
     got = apply_seams(saved, {0: "out0", 1: "out1"}, {0: renamed, 1: None})
     assert got == {"a", "small0", "out1"}
+
+
+def test_the_chain_solver_takes_seams_where_they_pay_and_its_plan_trains_bitwise(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """bf16 autocast over fp32 weights, as at scale: a block's output is an fp32 add of a
+    bf16 projection, and a run of seams is cheaper than keeping every output. Without the
+    refinement windows (whose exact MILP may also cross boundaries), so that the seams are
+    the chain's own."""
+    from remat.solver.chain import chain_solver
+    from remat.solver.registry import least_peak, solve
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, heads=2, layers=6, seq=32, dropout=0.0)
+    x = torch.randint(0, 64, (2, 32))
+    p = remat.analyze(model, (x,), precision="bf16-mixed").problem
+    config = SolverConfig(time_limit_s=6, max_milp_values=1)
+    keep_all = solve(p, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    budget = (least_peak(p, "chain", config) + keep_all) // 2
+    plan = chain_solver(p, budget_bytes=budget, config=config)
+    outputs = boundaries(p, find_structure(p))
+    crossed = [n for n in outputs.values() if n in plan.recomputed]
+    assert crossed and f"{len(crossed)} block output(s) recomputed across" in plan.reason
+    assert plan.predicted_peak_bytes <= budget
+    monkeypatch.setattr("remat.solver.chain.boundaries", lambda *_: {})
+    plain = chain_solver(p, budget_bytes=budget, config=config)
+    assert "across" not in plain.reason
+    assert plan.recompute_time_s < plain.recompute_time_s
+    assert_trains_like_eager(model, (x,), {}, steps=2, plan=plan, precision="bf16-mixed")
