@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import pulp
 
@@ -175,6 +176,15 @@ class ChainCostsBuilder:
         )
 
 
+class Stitch(Protocol):
+    """A choice of one option per block (and seams, and values dropped outside the blocks)
+    to a saved set: :attr:`ChainMenu.stitch`."""
+
+    def __call__(
+        self, choice: Sequence[int], seams: frozenset[int] = ..., dropped: frozenset[str] = ...
+    ) -> frozenset[str]: ...
+
+
 @dataclass(frozen=True)
 class ChainMenu:
     """The chain's blocks, each class's menu of options, and the uniform plans (option ``o``
@@ -183,7 +193,7 @@ class ChainMenu:
     structure: Structure
     menus: dict[tuple[int, ...], list[Option]]
     options_of: list[list[Option]]
-    stitch: Callable[..., frozenset[str]]
+    stitch: Stitch
     """``stitch(choice, seams, dropped)``: the saved set of one option per block, with seams
     at the given boundaries (:mod:`remat.solver.seams`; a block whose option has no swap
     keeps its output) and without the values ``dropped`` outside the blocks."""

@@ -32,7 +32,8 @@ from remat.solver.structure import Structure
 SEAM_EVERY = (2, 3, 4, 6, 8, 10, 12, 16)
 """Runs tried: every ``m``-th boundary kept, the others seams (:func:`patterns`)."""
 SWAP_CANDIDATES = 6
-"""A swap saves at most two of the dearest ops (by time) of the output's recomputation."""
+"""A swap is searched among this many of the dearest ops (by time) of the output's
+recomputation, and saves at most two of them."""
 
 
 @dataclass(frozen=True)
