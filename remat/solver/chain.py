@@ -409,9 +409,9 @@ def _search(
         key = tuple(found)
         fresh = key not in outcome
         if fresh:
-            plan = make_plan(
-                problem, stitch(found), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
-            )
+            plan = _stitched(problem, stitch(found))
+            if plan is None:
+                break
             outcome[key] = plan.predicted_peak_bytes - target
             if outcome[key] <= 0 and (
                 best is None or plan.recompute_time_s < best.recompute_time_s
@@ -445,6 +445,16 @@ def _search(
     if best is None or not polish:
         return None if best is None else (best, best_choice)
     return _local_search(problem, best, best_choice, target, options_of, stitch, deadline, costs)
+
+
+def _stitched(problem: Problem, saved: frozenset[str]) -> Plan | None:
+    """A stitched saved set's plan, or None where the executor cannot run it (a seam's or a
+    dropped value's recomputation that would need a random op: the candidates exclude it,
+    so this is a guard, not a path)."""
+    try:
+        return make_plan(problem, saved, solver="chain", reason="", proof=Proof.NEIGHBOURHOOD)
+    except InvalidPlanError:
+        return None
 
 
 def _outside_drops(
@@ -651,10 +661,8 @@ def _repair(
         if time.perf_counter() > deadline:
             return None
         trial = [*choice[:k], o, *choice[k + 1 :]]
-        plan = make_plan(
-            problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
-        )
-        if plan.predicted_peak_bytes <= target:
+        plan = _stitched(problem, stitch(trial))
+        if plan is not None and plan.predicted_peak_bytes <= target:
             return plan, trial
     return None
 
@@ -698,11 +706,10 @@ def _local_search(
             if time.perf_counter() > deadline:
                 return plan, choice
             trial = [*choice[:k], o, *choice[k + 1 :]]
-            candidate = make_plan(
-                problem, stitch(trial), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
-            )
+            candidate = _stitched(problem, stitch(trial))
             if (
-                candidate.predicted_peak_bytes <= target
+                candidate is not None
+                and candidate.predicted_peak_bytes <= target
                 and candidate.recompute_time_s < plan.recompute_time_s
             ):
                 plan, choice, improved = candidate, trial, True
