@@ -74,7 +74,9 @@ def boundaries(problem: Problem, structure: Structure) -> dict[int, str]:
 
 def find_swap(sub: Problem, output: str, saved: Iterable[str]) -> Swap | None:
     """The cheapest replacement for ``output`` in the block problem ``sub`` under the option
-    ``saved``, or None if none frees memory. Why this search: the output's recomputation
+    ``saved`` (maybe nothing: the output dropped, its recomputation paid in full), or None
+    where the output holds no storage of its own or its recomputation would need a random
+    op. Why this search: the output's recomputation
     runs the block's ops that neither ``saved`` keeps nor the block's own backward recomputes
     anyway; saving one or two of the dearest of them (by time) cuts it short, and is worth it
     while what they hold is less than the output."""
