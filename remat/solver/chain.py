@@ -305,12 +305,8 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         # 80 GB: 306 ms of recompute without, 266 ms with); the latter gets what is left.
         seamed = _seamed(problem, menu, best, best_choice, dropped, target, deadline, config)
     if best is not None:
-        start = best
-        with contextlib.suppress(InvalidPlanError):
-            start = make_plan(
-                problem, plain(best_choice), solver="chain", reason="", proof=Proof.NEIGHBOURHOOD
-            )
-        if start.predicted_peak_bytes > target:  # the drops lowered this choice's peak
+        start = _stitched(problem, plain(best_choice))
+        if start is None or start.predicted_peak_bytes > target:  # the drops lowered its peak
             start = best
         best, best_choice = _local_search(
             problem, start, best_choice, target, options_of, plain, deadline
@@ -476,17 +472,10 @@ def _outside_drops(
     for rate, name in found:
         if rate > slope:
             break
-        with contextlib.suppress(InvalidPlanError):
-            trial = frozenset(dropped | {name})
-            p = make_plan(
-                problem,
-                menu.stitch(choice, NONE, trial),
-                solver="",
-                reason="",
-                proof=Proof.HEURISTIC,
-            )
-            if p.predicted_peak_bytes < peak:
-                dropped, peak = set(trial), p.predicted_peak_bytes
+        trial = frozenset(dropped | {name})
+        p = _stitched(problem, menu.stitch(choice, NONE, trial))
+        if p is not None and p.predicted_peak_bytes < peak:
+            dropped, peak = set(trial), p.predicted_peak_bytes
     return frozenset(dropped)
 
 
@@ -507,33 +496,19 @@ def _seamed(
     the DP and local search on them. None where no run lowers the peak."""
     tried = []
     for seams in patterns(menu.seams):
-        with contextlib.suppress(InvalidPlanError):
-            p = make_plan(
-                problem,
-                menu.stitch(choice, seams, dropped),
-                solver="",
-                reason="",
-                proof=Proof.HEURISTIC,
-            )
+        p = _stitched(problem, menu.stitch(choice, seams, dropped))
+        if p is not None:
             tried.append((p.predicted_peak_bytes, p.recompute_time_s, sorted(seams), seams))
     if not tried or min(tried)[0] >= plan.predicted_peak_bytes:
         return None
     *_, seams = min(tried)
     n = len(menu.options_of)
-    try:
-        uniform = [
-            make_plan(
-                problem,
-                menu.stitch([o] * n, seams, dropped),
-                solver="chain",
-                reason="",
-                proof=Proof.NEIGHBOURHOOD,
-            )
-            for o in range(len(menu.uniform))
-        ]
-    except InvalidPlanError:
-        return None
-    costs = [_costs(problem, menu.structure, u.schedule.saved, u.simulation) for u in uniform]
+    costs = []
+    for o in range(len(menu.uniform)):
+        u = _stitched(problem, menu.stitch([o] * n, seams, dropped))
+        if u is None:
+            return None
+        costs.append(_costs(problem, menu.structure, u.schedule.saved, u.simulation))
 
     def stitch(c: Sequence[int]) -> frozenset[str]:
         return menu.stitch(c, seams, dropped)
@@ -655,7 +630,7 @@ def _repair(
         (options[o].time_s - options[choice[k]].time_s, k, o)
         for k, options in enumerate(options_of)
         for o in range(len(options))
-        if costs[min(o, len(costs) - 1)].keep[k] < costs[min(choice[k], len(costs) - 1)].keep[k]
+        if _keep(costs, o, k) < _keep(costs, choice[k], k)
     )
     for _, k, o in moves:
         if time.perf_counter() > deadline:
@@ -665,6 +640,11 @@ def _repair(
         if plan is not None and plan.predicted_peak_bytes <= target:
             return plan, trial
     return None
+
+
+def _keep(costs: Sequence[ChainCosts], o: int, k: int) -> int:
+    """Block ``k``'s keep under option ``o`` (a class with fewer options uses its last)."""
+    return costs[min(o, len(costs) - 1)].keep[k]
 
 
 def _local_search(
@@ -694,13 +674,8 @@ def _local_search(
             for o in range(len(options)):
                 if options[o].time_s >= current:
                     continue
-                if costs is not None:
-                    extra = (
-                        costs[min(o, len(costs) - 1)].keep[k]
-                        - costs[min(choice[k], len(costs) - 1)].keep[k]
-                    )
-                    if extra > slack:
-                        continue
+                if costs is not None and _keep(costs, o, k) - _keep(costs, choice[k], k) > slack:
+                    continue
                 moves.append((options[o].time_s - current, k, o))
         for _, k, o in sorted(moves):
             if time.perf_counter() > deadline:
