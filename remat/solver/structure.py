@@ -15,6 +15,7 @@ chain solver (:mod:`remat.solver.chain`) chooses among.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
@@ -50,7 +51,7 @@ class Structure:
 
 def find_structure(problem: Problem, block_types: tuple[str, ...] = ()) -> Structure:
     """Blocks in forward order and their classes of identical structure."""
-    owner = block_of(problem, block_types)
+    owner = _within_backward_ranges(problem, block_of(problem, block_types))
     fwd: dict[str, list[str]] = {}
     bwd: dict[str, list[str]] = {}
     for v in problem.values:
@@ -66,6 +67,31 @@ def find_structure(problem: Problem, block_types: tuple[str, ...] = ()) -> Struc
     for k, block in enumerate(blocks):
         classes.setdefault(_signature(problem, block), []).append(k)
     return Structure(blocks, tuple(tuple(c) for c in classes.values()))
+
+
+def _within_backward_ranges(
+    problem: Problem, owner: Mapping[str, str | None]
+) -> dict[str, str | None]:
+    """``owner`` with each backward value outside every block that runs between a block's first
+    and last backward op and reads only that block's values given to that block. Why:
+    autograd's gradient accumulations (the ``add`` summing a value's gradients from its
+    several users) have no forward op and carry whatever module the trace saw last (on GPT-2,
+    ``lm_head``); left outside, the block problem holds their summands as gradients passed on
+    until its backward's end, 300 MB per GPT-2 small block that its real backward frees at
+    once. An accumulation that also reads the gradient flowing in stays outside: the last
+    block's allocates where the others add in place, and would make it a class of its own."""
+    out = dict(owner)
+    backward = [v for v in problem.values if v.role is Role.BACKWARD]
+    spans: dict[str, list[int]] = {}
+    for k, v in enumerate(backward):
+        b = owner.get(v.name)
+        if b is not None:
+            spans.setdefault(b, [k, k])[1] = k
+    for b, (lo, hi) in spans.items():
+        for v in backward[lo : hi + 1]:
+            if out.get(v.name) is None and v.inputs and all(out.get(i) == b for i in v.inputs):
+                out[v.name] = b
+    return out
 
 
 def _signature(problem: Problem, block: Block) -> tuple[object, ...]:
