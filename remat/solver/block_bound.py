@@ -30,6 +30,25 @@ are recomputed: the front of :func:`~remat.solver.fronts.kept_problem`'s ``after
 
 The tangents' weights are bisected towards the one touching the front where the knapsack's
 optimum keeps, round by round while the time lasts; each round's bound is valid.
+
+**The last block's backward.** On GPT-2 small the step peaks in the last block's backward, not
+at the head: every other block still holds what it kept, and the last block holds what its own
+backward needs while it recomputes. So the last rounds (a third of the time, and the last
+round in any case) take the last block out of its class and write its exact model into the
+knapsack (:mod:`remat.solver.milp`'s MILP of its :func:`~remat.solver.fronts.kept_problem`,
+without its moment cuts, its forward or its first stage, which the head rows count: a
+relaxation), and one more row: its peak over its backward, plus what the other blocks hold,
+within the budget less what is live outside the blocks at every moment of that backward. The
+other blocks hold what they kept, except where the last block's backward recomputes into them
+(it reads the block before's output, and an unsaved one is recomputed from that block, and so
+on down): a block reached so holds at least the lesser of what it kept and what it holds after
+(the ``after`` front), and at each weight the lesser of the two tangents is a line below that
+(their after-front tangents are solved at the tangents' weights). The bytes the block problem
+holds longer than the step does (the gradient flowing in, the gradients it passes on, the
+block before's output, freed once the last block's backward has read it) are given back to
+the budget, so that the row never counts more than is live. At the head's moments the last
+block holds what it kept, or, once the head's recomputation has reached into it (only if a
+value the head reads from it is unsaved), at least what it holds after its first stage.
 """
 
 from __future__ import annotations
@@ -44,8 +63,10 @@ import pulp
 from remat.problem import Problem, Role
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.bound import Moment, backward_moments, read_span
+from remat.solver.compress import Compressed, compress
 from remat.solver.config import SolverConfig
 from remat.solver.fronts import OUTSIDE_READS, KeptProblem, Tangent, kept_problem, tangent
+from remat.solver.milp import _Model
 from remat.solver.structure import Structure, find_structure
 
 ROUNDS = 8
@@ -58,6 +79,9 @@ UNIT = 1e6
 ~1e10 and HiGHS reported an "optimal" solution far from it (a bound above a fitting plan)."""
 MAX_CLASSES = 4
 """Beyond this many classes of blocks the fronts cost more than they give: no bound."""
+TAIL_SHARE = 1 / 3
+"""Of the time, what the rounds with the last block's backward get (module docstring): each
+builds the block's exact model and solves a knapsack with its binaries."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,21 +156,37 @@ def block_bound(
     ]
     best: float | None = None
     reached = [True] * len(fronts)  # whether the last knapsack has blocks the head reaches
-    for _ in range(rounds):
+    tail = _tail(problem, structure)
+    share = 0.0 if tail is None else TAIL_SHARE
+    tail_at = deadline - share * (deadline - time.perf_counter())
+    for r in range(rounds):
+        late = tail is not None and (r == rounds - 1 or time.perf_counter() >= tail_at)
         for front, after in zip(fronts, reached, strict=True):
             if time.perf_counter() >= deadline:
-                return best
+                break
             front.extend(per_solve, after=after or not front.after_lines)
         if not all(f.lines for f in fronts):
+            if time.perf_counter() >= deadline:
+                return best
             continue
-        left = max(1.0, deadline - time.perf_counter())
-        found = _knapsack(problem, budget_bytes, structure, moments, fronts, config, left)
+        if late:
+            for front in fronts:
+                front.match(per_solve, deadline)
+        model = tail.model() if tail is not None and late else None
+        left = max(1.0, (deadline if late else tail_at) - time.perf_counter())
+        found = _knapsack(
+            problem, budget_bytes, structure, moments, fronts, config, left,
+            None if tail is None or model is None else (tail, model),
+        )  # fmt: skip
         if found is None:
             return best
         best = found.bound_s if best is None else max(best, found.bound_s)
         if config.progress:
             n = sum(len(f.lines) + len(f.after_lines) for f in fronts)
-            config.progress(f"block bound: {best * 1e3:.4g} ms from {n} tangents")
+            where = " and the last block's backward" if late else ""
+            config.progress(f"block bound: {best * 1e3:.4g} ms from {n} tangents{where}")
+        if time.perf_counter() >= deadline:
+            return best
         for front, each, each_after in zip(fronts, found.kept, found.kept_after, strict=True):
             front.aim(each, each_after)
         reached = [each is not None for each in found.kept_after]
@@ -159,13 +199,29 @@ class _Front:
     front where the knapsack's blocks keep."""
 
     def __init__(
-        self, kp: KeptProblem, after: KeptProblem | None, weight: float, reachable: bool
+        self,
+        kp: KeptProblem,
+        after: KeptProblem | None,
+        weight: float,
+        reachable: bool,
     ) -> None:
         self.kp, self.after, self.reachable = kp, after, reachable
         self.lines: list[Tangent] = []
         self.after_lines: list[Tangent] = []
         self.weights = [weight, weight]
         self.brackets = [[0.0, math.inf], [0.0, math.inf]]
+        self.matched: dict[float, Tangent] = {}
+        """Tangents of the ``after`` front at the weights of :attr:`lines` (the tail's)."""
+
+    def match(self, per_solve: Callable[[], SolverConfig], deadline: float) -> None:
+        """The ``after`` front's tangents at the weights of every tangent, while time lasts."""
+        if self.after is None:
+            return
+        for t in self.lines:
+            if t.weight not in self.matched and time.perf_counter() < deadline:
+                line = tangent(self.after, t.weight, per_solve())
+                if line is not None:
+                    self.matched[t.weight] = line
 
     def extend(self, per_solve: Callable[[], SolverConfig], *, after: bool) -> None:
         """One more tangent at each weight (``after``: of the reached blocks too; their
@@ -192,6 +248,71 @@ class _Front:
             self.weights[j] = 2 * lo if math.isinf(hi) else (lo + hi) / 2 if lo else hi / 2
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tail:
+    """The tail knapsack's constants: the last block's problem and its rows' bytes."""
+
+    kp: KeptProblem
+    """The last block's :func:`kept_problem`..."""
+    comp: Compressed
+    """...compressed, as its model sees it."""
+    fed: tuple[str, ...]
+    """Its values that values outside the blocks read (the head's way in), as ``comp``
+    names them: all saved, the head's recomputation never reaches into the block."""
+    room: int
+    """Bytes the tail row gives the block and the other blocks, less the budget: what is live
+    outside the blocks at every moment of the block's backward, negated, plus what the block
+    problem holds longer than the step does (the gradient flowing in, those passed on), plus
+    what the block before the last keeps only for the last block's backward to read."""
+
+    def model(self) -> _Model:
+        """The block's exact model, into which a knapsack writes its rows: a relaxation,
+        without its moment cuts, its forward (the other blocks hold more there than the tail
+        row counts) and its first stage (the head's reads of the block, at the head's moments:
+        the head rows count those, where the tail row would count the blocks as reached).
+        One block's model builds in about a second: no deadline."""
+        return _Model(self.comp.problem, None, self.comp.fold, forward_memory=False, memory_from=1)
+
+
+def _tail(problem: Problem, structure: Structure) -> _Tail | None:
+    """The last block's tail rows' constants; ``None`` if nothing outside the blocks reads it
+    (no head whose moments come before its backward)."""
+    last = structure.blocks[-1]
+    kp = kept_problem(problem, last)
+    assert kp is not None
+    if OUTSIDE_READS not in kp.problem.by_name:
+        return None
+    values = problem.by_name
+    sub = kp.problem
+    grads = set(problem.grad_outputs)
+    longer = {s for v in sub.values if v.role is Role.TANGENT for s in v.storages}
+    longer |= {s for n in sub.grad_outputs if n not in grads for s in values[n].storages}
+    inside = set(sub.storage_bytes)
+    owned = {s for b in structure.blocks for n in b.forward for s in values[n].allocates}
+    backward = [v for v in problem.values if v.role is Role.BACKWARD]
+    index = {v.name: k for k, v in enumerate(backward)}
+    ks = [index[n] for n in last.backward]
+    during = min(
+        problem.storages_bytes(m.fixed - inside - owned)
+        for m in backward_moments(problem, at=range(min(ks), max(ks) + 1))
+    )
+    room = -during + sub.storages_bytes(s for s in longer if s in sub.storage_bytes)
+    if len(structure.blocks) > 1:  # the block before: what the last block's backward reads
+        before = structure.blocks[-2]
+        mine = set(before.backward)
+        read = {
+            n
+            for n in before.forward
+            if any(values[u].role is Role.BACKWARD and u not in mine for u in problem.users[n])
+        }
+        own = {s for n in before.forward if n not in read for s in values[n].storages}
+        room += problem.storages_bytes({s for n in read for s in values[n].allocates} - own)
+    comp = compress(sub)
+    fed = _read_from_blocks(problem, structure)
+    fed_here = tuple(comp.rep.get(f, f) for f in fed if f in sub.by_name)
+    return _Tail(kp, comp, fed_here, room)
+
+
 def _read_from_blocks(problem: Problem, structure: Structure) -> set[str]:
     """The blocks' forward values that forward values outside the blocks read."""
     values = problem.by_name
@@ -213,8 +334,10 @@ def _knapsack(
     fronts: Sequence[_Front],
     config: SolverConfig,
     time_limit_s: float,
+    tail: tuple[_Tail, _Model] | None = None,
 ) -> _Knapsack | None:
-    """The MILP of the module docstring; ``None`` if it proved nothing."""
+    """The MILP of the module docstring (``tail``: with the last block's model and its
+    backward's rows); ``None`` if it proved nothing."""
     values = problem.by_name
     in_block = {n for b in structure.blocks for n in b.forward}
     owned = {s for n in in_block for s in values[n].allocates}
@@ -223,7 +346,7 @@ def _knapsack(
     held |= {s for v in problem.values if v.role is Role.TANGENT for s in v.storages}
     nbytes = {s: b / UNIT for s, b in problem.storage_bytes.items()}
     scale = objective_scale([values[n].time_s for n in problem.forward_names])
-    lp = pulp.LpProblem("block_bound", pulp.LpMinimize)
+    lp = pulp.LpProblem("block_bound", pulp.LpMinimize) if tail is None else tail[1].lp
     saved = {n: lp.add_variable(f"s{k}", 0, 1, cat=pulp.LpBinary) for k, n in enumerate(outside)}
     redo = {
         n: lp.add_variable(f"r{k}", 0, 0 if values[n].random else 1) for k, n in enumerate(outside)
@@ -236,16 +359,24 @@ def _knapsack(
         for i in values[n].inputs:
             if i in saved:  # a block's value is the block's to keep (its front pays for it)
                 lp += saved[i] + redo[i] >= redo[n]
-    classes = [_ClassVars(lp, ci, len(cls), f, scale) for ci, (cls, f) in enumerate(
-        zip(structure.classes, fronts, strict=True))]  # fmt: skip
+    last = len(structure.blocks) - 1
+    sizes = [len(c) - (tail is not None and last in c) for c in structure.classes]
+    classes = [_ClassVars(lp, ci, n, f, scale, tail is not None) for ci, (n, f) in enumerate(
+        zip(sizes, fronts, strict=True))]  # fmt: skip
     cost += [c.cost for c in classes]
+    if tail is not None:
+        cost.append(scale / tail[1].scale * tail[1].cost)
     most = sum(
         len(cls) * problem.storages_bytes({s for n in structure.blocks[cls[0]].forward
                                            for s in values[n].allocates})
         for cls in structure.classes
     ) / UNIT  # fmt: skip
-    lp += pulp.lpSum(cost)
-    before = pulp.lpSum([c.kept for c in classes] + [c.reached_before for c in classes])
+    lp.setObjective(pulp.lpSum(cost))
+    before = pulp.lpSum(c.kept + c.reached_before + c.touched_before for c in classes)
+    last_held: list[pulp.LpVariable] = []
+    if tail is not None:
+        last_held.append(_tail_rows(lp, budget, *tail, classes))
+        before = before + pulp.lpSum(b / UNIT * v for b, v in tail[1].kept_terms)
     live: dict[str, pulp.LpVariable] = {}
     for n in outside:
         for s in values[n].storages:
@@ -280,8 +411,10 @@ def _knapsack(
                 lp += z >= c.reached_after
             lp += z >= c.reached_before - most * pull
             now.append(z)
+        now += last_held
         room = (budget - fixed) / UNIT
-        lp += pulp.lpSum(terms) + pulp.lpSum([c.kept for c in classes] + now) <= room
+        untouched = [c.kept + c.touched_before for c in classes]  # the tail's reach is later
+        lp += pulp.lpSum(terms) + pulp.lpSum(untouched + now) <= room
     lp.solve(backend(config, time_limit_s, {}))
     if pulp.LpStatus[lp.status] == "Infeasible":
         return None
@@ -290,38 +423,89 @@ def _knapsack(
         return None
     return _Knapsack(
         max(0.0, raw) / scale,
-        tuple(c.share(c.kept, c.size - (c.reached.value() or 0.0)) for c in classes),
+        tuple(
+            c.share(c.kept, c.size - (c.reached.value() or 0.0) - (c.touched.value() or 0.0))
+            for c in classes
+        ),
         tuple(c.share(c.reached_after, c.reached.value() or 0.0) for c in classes),
     )
+
+
+def _tail_rows(
+    lp: pulp.LpProblem, budget: int, tail: _Tail, model: _Model, classes: Sequence[_ClassVars]
+) -> pulp.LpVariable:
+    """The last block's backward: its peak (every moment of its model) and what the other
+    blocks hold, what they keep unless its recomputation reaches into them (module docstring).
+    Returns what the block holds at the head's moments: what it kept, or, once the head's
+    recomputation has reached in (only if a value it reads from the block is unsaved), what
+    it holds once it has recomputed what the head reads (its first stage's op's moment)."""
+    peak = model.budget_var
+    assert peak is not None
+    held = pulp.lpSum(c.kept + c.touched_held + c.reached_after for c in classes)
+    lp += peak / UNIT + held <= (budget + tail.room) / UNIT
+    kept = pulp.lpSum(b / UNIT * v for b, v in model.kept_terms)
+    after = pulp.lpSum(b / UNIT * v for b, v in model.live_at[0])
+    big = tail.kp.problem.storages_bytes(tail.kp.problem.storage_bytes) / UNIT
+    z = lp.add_variable("zL", 0)
+    pulled = lp.add_variable("pL", 0, 1, cat=pulp.LpBinary)
+    lp += pulled <= pulp.lpSum([1 - model.s[f] if f in model.s else 1 for f in tail.fed])
+    lp += z >= kept - big * pulled
+    lp += z >= after - big * (1 - pulled)
+    return z
 
 
 class _ClassVars:
     """One class of blocks in the knapsack: how many the head's recomputation reaches, and
     the bytes the others keep, the reached ones keep before it and hold after it, each group's
     cost above every tangent (``size`` blocks, ``scale``: the objective's units per second;
-    bytes in :data:`UNIT`, so a tangent's weight, ~1e-12 s/B, is a coefficient near 1)."""
+    bytes in :data:`UNIT`, so a tangent's weight, ~1e-12 s/B, is a coefficient near 1).
+    ``tail``: also how many of the others the last block's backward reaches, what they keep
+    before and hold after."""
 
-    def __init__(self, lp: pulp.LpProblem, ci: int, size: int, front: _Front, scale: float):
+    def __init__(
+        self, lp: pulp.LpProblem, ci: int, size: int, front: _Front, scale: float, tail: bool
+    ):
         self.size = size
         self.reached = lp.add_variable(f"nB{ci}", 0, size)
         self.kept = lp.add_variable(f"K{ci}", 0)
         self.reached_before = lp.add_variable(f"KB{ci}", 0)
         self.reached_after = lp.add_variable(f"KBa{ci}", 0)
+        self.touched = lp.add_variable(f"nT{ci}", 0, size if tail else 0)
+        self.touched_before = lp.add_variable(f"KT{ci}", 0)
+        self.touched_held = lp.add_variable(f"KTh{ci}", 0)
         rest = lp.add_variable(f"C{ci}", 0)
         reached = lp.add_variable(f"CB{ci}", 0)
-        for t in front.lines:  # every block lies on or above each tangent
-            lp += rest >= scale * ((size - self.reached) * t.bound_s - t.weight * UNIT * self.kept)
-            lp += reached >= scale * (
-                self.reached * t.bound_s - t.weight * UNIT * self.reached_before
-            )
+        touched = lp.add_variable(f"CT{ci}", 0)
+        lp += self.reached + self.touched <= size
+        groups = (
+            (rest, size - self.reached - self.touched, self.kept),
+            (reached, self.reached, self.reached_before),
+            (touched, self.touched, self.touched_before),
+        )
+        for cost, n, kept in groups:
+            for t in front.lines:  # every block lies on or above each tangent
+                lp += cost >= scale * (n * t.bound_s - t.weight * UNIT * kept)
         for t in front.after_lines:
             lp += reached >= scale * (
                 self.reached * t.bound_s - t.weight * UNIT * self.reached_after
             )
+        # A block the tail's recomputation reaches holds, during the last block's backward,
+        # what it kept before and, once reached, what it holds after: at least the lesser, and
+        # at each weight the lesser tangent is below every plan's (recompute + weight * that).
+        lp += self.touched_held <= self.touched_before
+        for t in front.lines:
+            a = front.matched.get(t.weight)
+            if a is not None:
+                lp += touched >= scale * (
+                    self.touched * min(t.bound_s, a.bound_s) - t.weight * UNIT * self.touched_held
+                )
+        if not front.matched:  # no such tangent: those blocks count nothing
+            lp += self.touched_held == 0
         self.front = front
         if not front.reachable:  # nothing outside the blocks reads this class: never reached
             lp += self.reached == 0
-        self.cost = rest + reached
+            lp += self.touched == 0
+        self.cost = rest + reached + touched
 
     @staticmethod
     def share(kept: pulp.LpVariable, blocks: float) -> float | None:

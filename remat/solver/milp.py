@@ -88,6 +88,8 @@ class _Model:
         deadline: float | None = None,
         kept_weight: float = 0.0,
         kept_stage: int = 0,
+        forward_memory: bool = True,
+        memory_from: int = 0,
     ) -> None:
         self.problem = problem
         self.deadline = deadline
@@ -98,6 +100,11 @@ class _Model:
         self.kept_stage = kept_stage
         """Seconds per byte live before stage ``kept_stage``'s recomputations added to the
         objective (:func:`kept_tradeoff`)."""
+        self.forward_memory = forward_memory
+        self.memory_from = memory_from
+        """``forward_memory=False`` drops the memory rows along the forward, ``memory_from``
+        those of the backward's stages before it: relaxations, for a bound that writes the
+        rest under a budget those moments do not share (:mod:`remat.solver.block_bound`)."""
         self.fold = dict(fold or {})
         self.fix = dict(fix or {})
         """Forward values fixed as in a start plan (a neighbourhood solve) -> the stage (backward
@@ -298,7 +305,8 @@ class _Model:
         self._uses()
         self._no_second_copies()
         self._backward_memory()
-        self._forward_memory()
+        if self.forward_memory:
+            self._forward_memory()
         self._objective(budget)
 
     def _variables(self) -> None:
@@ -454,9 +462,13 @@ class _Model:
                     else:
                         before[t].append((s, nbytes, var))
         self.total_bytes = total + p.storages_bytes(self.user_storages)
+        self.live_before = [[(b, v) for _, b, v in terms] for terms in before]
+        """Per stage, the forward storages live before its recomputations: bytes, variable..."""
+        self.live_at = at_op
+        """...and while its op runs, after them."""
         at = self.kept_stage
-        self.kept_terms = [(b, v) for _, b, v in before[at]] if at < T else []
-        for t in range(T):
+        self.kept_terms = self.live_before[at] if at < T else []
+        for t in range(self.memory_from, T):
             self._tick()
             lp += (
                 self.bw_base[self.stage_k[t]] + pulp.lpSum(b * v for b, v in at_op[t]) <= M,
@@ -539,6 +551,8 @@ class _Model:
         self.tie_max = sum(tie.values())
         """Largest value the tie-break can add to the objective (subtracted from bounds)."""
         small = pulp.lpSum(w * self.s[n] for n, w in tie.items())
+        self.cost = cost.copy()
+        """Recompute time in objective units (``scale`` per second), without the tie-break."""
         if self.kept_weight:
             w = self.scale * self.kept_weight
             cost += pulp.lpSum(w * b * v for b, v in self.kept_terms)

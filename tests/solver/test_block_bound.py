@@ -126,6 +126,25 @@ def test_it_proves_more_than_the_moments_where_recomputing_fills_the_head() -> N
     assert max(gains) > 0
 
 
+def test_the_last_blocks_backward_raises_the_floor_below_the_optimum(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where the step peaks in the last block's backward (its activation ``a`` held with the
+    gradients), the rounds with that block's exact model prove more than the head's rows
+    alone at some budgets, and never more than the optimum."""
+    prob = _stack(3, (2, 1, 1, 2), (50, 5, 1))
+    results = brute_force(prob)
+    gains = []
+    for budget in sorted({peak for _, peak in results}):
+        best = optimum(results, budget)
+        with_tail = block_bound(prob, budget, CONFIG, rounds=3)
+        with monkeypatch.context() as m:
+            m.setattr(block_bound_module, "_tail", lambda problem, structure: None)
+            heads = block_bound(prob, budget, CONFIG, rounds=3)
+        assert best is not None and with_tail is not None and heads is not None
+        assert with_tail <= best + 1e-9 * max(1.0, best)
+        gains.append(with_tail - heads)
+    assert sum(g > 1e-12 for g in gains) >= 2
+
+
 def test_the_chain_solver_records_the_larger_floor() -> None:
     """With ``floor_time_s`` the chain plan's floor is the larger of the two bounds, still
     below the optimum, and the reason says which it is (on a stand-in clock)."""
