@@ -33,7 +33,7 @@ optimum keeps, round by round while the time lasts; each round's bound is valid.
 
 **The last block's backward.** On GPT-2 small the step peaks in the last block's backward, not
 at the head: every other block still holds what it kept, and the last block holds what its own
-backward needs while it recomputes. So the last rounds (a third of the time, and the last
+backward needs while it recomputes. So the last rounds (half of the time, and the last
 round in any case) take the last block out of its class and write its exact model into the
 knapsack (:mod:`remat.solver.milp`'s MILP of its :func:`~remat.solver.fronts.kept_problem`,
 without its moment cuts, its forward or its first stage, which the head rows count: a
@@ -79,9 +79,11 @@ UNIT = 1e6
 ~1e10 and HiGHS reported an "optimal" solution far from it (a bound above a fitting plan)."""
 MAX_CLASSES = 4
 """Beyond this many classes of blocks the fronts cost more than they give: no bound."""
-TAIL_SHARE = 1 / 3
+TAIL_SHARE = 1 / 2
 """Of the time, what the rounds with the last block's backward get (module docstring): each
 builds the block's exact model and solves a knapsack with its binaries."""
+MATCHED = 3
+"""The latest tangents a tail round matches with ``after`` tangents at their weights."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +171,10 @@ def block_bound(
             if time.perf_counter() >= deadline:
                 return best
             continue
-        if late:
+        if late:  # half of what is left at most, so that the knapsack keeps time to solve
+            stop = time.perf_counter() + (deadline - time.perf_counter()) / 2
             for front in fronts:
-                front.match(per_solve, deadline)
+                front.match(per_solve, stop)
         model = tail.model() if tail is not None and late else None
         left = max(1.0, (deadline if late else tail_at) - time.perf_counter())
         found = _knapsack(
@@ -199,11 +202,7 @@ class _Front:
     front where the knapsack's blocks keep."""
 
     def __init__(
-        self,
-        kp: KeptProblem,
-        after: KeptProblem | None,
-        weight: float,
-        reachable: bool,
+        self, kp: KeptProblem, after: KeptProblem | None, weight: float, reachable: bool
     ) -> None:
         self.kp, self.after, self.reachable = kp, after, reachable
         self.lines: list[Tangent] = []
@@ -214,10 +213,11 @@ class _Front:
         """Tangents of the ``after`` front at the weights of :attr:`lines` (the tail's)."""
 
     def match(self, per_solve: Callable[[], SolverConfig], deadline: float) -> None:
-        """The ``after`` front's tangents at the weights of every tangent, while time lasts."""
+        """The ``after`` front's tangents at the weights of the latest tangents (nearest where
+        the knapsack keeps), while time lasts."""
         if self.after is None:
             return
-        for t in self.lines:
+        for t in self.lines[-MATCHED:]:
             if t.weight not in self.matched and time.perf_counter() < deadline:
                 line = tangent(self.after, t.weight, per_solve())
                 if line is not None:
