@@ -29,7 +29,8 @@ class Block:
     forward: tuple[str, ...]
     """The block's forward values, in graph order."""
     backward: tuple[str, ...]
-    """Backward values attributed to the block (they inherit its module path)."""
+    """Backward values attributed to the block (they inherit its module path), and the
+    gradient accumulations that run inside its backward and read only its values."""
 
 
 @dataclass(frozen=True)
