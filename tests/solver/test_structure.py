@@ -30,14 +30,14 @@ def _with_accumulations(n: int) -> Problem:
     grad = "t"
     for i in reversed(range(n)):
         stack = ((f"layers.{i}", "Layer"),)
-        for v, s in (
+        for (value, sizes), module in (
             (op(f"gb{i}", Role.BACKWARD, (grad, f"a{i}")), stack),
             (op(f"gh{i}", Role.BACKWARD, (grad, f"b{i}")), stack),
             (op(f"acc{i}", Role.BACKWARD, (f"gb{i}", f"gh{i}")), head),
             (op(f"ga{i}", Role.BACKWARD, (f"acc{i}", "w")), stack),
             (op(f"join{i}", Role.BACKWARD, (f"ga{i}", grad)), head),
         ):
-            specs.append((replace(v[0], module_stack=s), v[1]))
+            specs.append((replace(value, module_stack=module), sizes))
         grad = f"join{i}"
     return problem(specs, user_outputs=("loss",), grads=())
 
