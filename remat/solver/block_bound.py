@@ -65,7 +65,14 @@ from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.bound import Moment, backward_moments, read_span
 from remat.solver.compress import Compressed, compress
 from remat.solver.config import SolverConfig
-from remat.solver.fronts import OUTSIDE_READS, KeptProblem, Tangent, kept_problem, tangent
+from remat.solver.fronts import (
+    OUTSIDE_READS,
+    KeptProblem,
+    Tangent,
+    kept_problem,
+    outside_reads,
+    tangent,
+)
 from remat.solver.milp import _Model
 from remat.solver.structure import Structure, find_structure
 
@@ -175,12 +182,9 @@ def block_bound(
             stop = time.perf_counter() + (deadline - time.perf_counter()) / 2
             for front in fronts:
                 front.match(per_solve, stop)
-        model = tail.model() if tail is not None and late else None
+        last = (tail, tail.model()) if tail is not None and late else None
         left = max(1.0, (deadline if late else tail_at) - time.perf_counter())
-        found = _knapsack(
-            problem, budget_bytes, structure, moments, fronts, config, left,
-            None if tail is None or model is None else (tail, model),
-        )  # fmt: skip
+        found = _knapsack(problem, budget_bytes, structure, moments, fronts, config, left, last)
         if found is None:
             return best
         best = found.bound_s if best is None else max(best, found.bound_s)
@@ -299,12 +303,7 @@ def _tail(problem: Problem, structure: Structure) -> _Tail | None:
     room = -during + sub.storages_bytes(s for s in longer if s in sub.storage_bytes)
     if len(structure.blocks) > 1:  # the block before: what the last block's backward reads
         before = structure.blocks[-2]
-        mine = set(before.backward)
-        read = {
-            n
-            for n in before.forward
-            if any(values[u].role is Role.BACKWARD and u not in mine for u in problem.users[n])
-        }
+        read = set(outside_reads(problem, before))
         own = {s for n in before.forward if n not in read for s in values[n].storages}
         room += problem.storages_bytes({s for n in read for s in values[n].allocates} - own)
     comp = compress(sub)

@@ -63,6 +63,17 @@ class KeptProblem:
         return least.recompute_time_s / max(1, self.most)
 
 
+def outside_reads(problem: Problem, block: Block) -> tuple[str, ...]:
+    """The block's forward values that backward ops outside it read (the next block's
+    backward reads its input; the head reads the last block's output), in forward order."""
+    values, users, inside = problem.by_name, problem.users, set(block.backward)
+    return tuple(
+        n
+        for n in block.forward
+        if any(values[u].role is Role.BACKWARD and u not in inside for u in users[n])
+    )
+
+
 def kept_problem(problem: Problem, block: Block, *, after: bool = False) -> KeptProblem | None:
     """``block`` of ``problem`` as a :class:`KeptProblem`. ``after``: what the block holds
     once the outside reads have been served, its outputs recomputed by then and held until
@@ -70,13 +81,7 @@ def kept_problem(problem: Problem, block: Block, *, after: bool = False) -> Kept
     has recomputed them from it (:mod:`remat.solver.block_bound`); ``None`` if nothing outside
     reads the block."""
     sub = block_problem(problem, block)
-    values, users = problem.by_name, problem.users
-    inside = set(block.backward)
-    read_outside = tuple(
-        n
-        for n in block.forward
-        if any(values[u].role is Role.BACKWARD and u not in inside for u in users[n])
-    )
+    read_outside = outside_reads(problem, block)
     if after and not read_outside:
         return None
     ops = list(sub.values)
