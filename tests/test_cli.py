@@ -17,7 +17,7 @@ def test_demo_runs_and_reports_equal(
     monkeypatch.setenv("COLUMNS", "100")
     out_dir = Path(str(tmp_path)) / "demo"
     code = main(["demo", "--layers", "2", "--dim", "32", "--heads", "2", "--vocab", "64",
-                 "--seq", "16", "--batch", "2", "--steps", "1", "--time-limit", "5",
+                 "--seq", "16", "--batch", "2", "--steps", "1", "--time-limit", "2",
                  "--budgets", "3", "--out", str(out_dir)])  # fmt: skip
     out, err = capfd.readouterr()
     assert code == 0
