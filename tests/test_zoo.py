@@ -86,11 +86,6 @@ def test_chen_finds_the_block_boundaries_of_hf_gpt2() -> None:
     assert len(adds) >= 2 * 2  # two residual adds per block, two blocks
 
 
-THREE_BUDGET_LIMITS = {"hf_llama": 2.0}
-"""Where the sweep below proves the same budgets at 2 s as at 5 s (measured: the small Llama
-only keep-all's, whose plan recomputes nothing), it runs at 2 s."""
-
-
 @pytest.mark.parametrize("solver", ["lp_round", "exact"])
 @pytest.mark.parametrize(
     "case", [c for c in ZOO if c.name in ("hf_gpt2", "hf_llama", "cnn_bn")], ids=lambda c: c.name
@@ -101,12 +96,11 @@ def test_optimizing_solvers_at_three_budgets(case: Case, solver: str) -> None:
     (Three budgets, not five: the MILP spends its whole limit on each unproven one, and CI
     has 15 minutes; the sweep property is tested densely in test_closed_form.py.)"""
     torch.manual_seed(0)
-    limit = THREE_BUDGET_LIMITS.get(case.name, LIMIT)
     model = case.build()
     problem = remat.analyze(model, case.inputs(), case.kwargs).problem
     keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
     with pytest.raises(remat.BudgetError) as err:
-        solve(problem, solver="auto", budget_bytes=0, config=SolverConfig(time_limit_s=limit))
+        solve(problem, solver="auto", budget_bytes=0, config=SolverConfig(time_limit_s=LIMIT))
     least = err.value.least_peak_bytes
     costs = []
     for k in (0, 2, 4):
@@ -119,7 +113,7 @@ def test_optimizing_solvers_at_three_budgets(case: Case, solver: str) -> None:
                 steps=1,
                 solver=solver,
                 activation_budget_bytes=budget,
-                time_limit_s=limit,
+                time_limit_s=LIMIT,
             )
         except remat.BudgetError as e:
             # Rounding may not reach the least peak the exact MILP proves; never above it.
@@ -134,7 +128,7 @@ def test_optimizing_solvers_at_three_budgets(case: Case, solver: str) -> None:
     if solver == "exact":
         # Only proven optima must be monotone: a plan found when the limit ran out may be
         # beaten at a smaller budget by one that was proven (a CI run saw 4.54 then 4.86 us).
-        # Within 5 s (and 2) the small Llama proves only its keep-all budget; the sweep is
+        # Within 5 s the small Llama proves only its keep-all budget; the sweep property is
         # tested with every point proven in tests/solver/test_closed_form.py.
         assert costs == sorted(costs, reverse=True), "cost must not grow with the budget"
 
