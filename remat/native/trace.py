@@ -260,9 +260,6 @@ class _Recorder(LiveMemoryMeter):
         """Names of the storages a functional collective made (tensor parallelism)."""
         self.released_late = 0
         """Bytes of the last such storage freed, still counted live (see :meth:`_free`)."""
-        self.gloo_copies: dict[int, int] = {}
-        """Storage key of a reduce-scatter's input -> bytes of gloo's copy of it, counted at
-        the allocator while the input lives (:meth:`_gloo_scratch`)."""
 
     def _free(self, key: int, nbytes: int) -> None:
         """A storage died. The last one a functional collective made stays counted: the
@@ -274,8 +271,6 @@ class _Recorder(LiveMemoryMeter):
         last use. So one is counted: the last freed, until the next is. With the host's
         cores oversubscribed the thread can lag further (one run held two at the allocator's
         peak); that is not counted (``tests/native/test_tensor_parallel.py``)."""
-        if key in self.gloo_copies and self._tracked.get(key) == nbytes:
-            self._unseen(-self.gloo_copies.pop(key))
         if self._tracked.get(key) == nbytes and key in self.names:
             name = self.names.pop(key)
             self.deaths[name] = len(self.rows)
@@ -381,17 +376,20 @@ class _Recorder(LiveMemoryMeter):
 
     def _gloo_scratch(self, func: Any, args: tuple[Any, ...]) -> int:
         """What gloo, the CPU's process group, allocates inside FSDP2's collectives, which
-        no dispatch sees (measured at the allocator, 2.13, 4 ranks): an all-gather gathers
-        into a buffer of its output's size and copies out, freed before it returns (its
-        scratch, returned); a reduce-scatter works on a copy of its input, which lives as
-        long as the input does (FSDP2 keeps both until its next reduce-scatter)."""
+        no dispatch sees, returned as the op's scratch (measured at the allocator, 2.13, 2
+        ranks, with each event's thread and address): an all-gather gathers into a buffer
+        of its output's size on gloo's worker thread and copies out; a reduce-scatter works
+        on a copy of its input, made on the calling thread and held by the collective's
+        ``Work``. FSDP2 waits on both before the collective returns (``async_op=False``),
+        and the buffer dies with the wait (the copy when the ``Work`` does, as
+        ``reduce_scatter_single`` returns). Counting the copy while the input lived, as
+        this did before, matched runs where gloo's thread dropped the work last: the copy
+        then dies there, a free the profiler does not record (``tests/native/
+        gloo_settle.py``), and the meter counted it live until its address was reused."""
         if func is tc.ALLGATHER_BASE:
             return int(args[0].untyped_storage().nbytes())
         if func is tc.REDUCE_SCATTER_BASE:
-            key, nbytes = tc.storage_key(args[1]), args[1].untyped_storage().nbytes()
-            if key in self._tracked and key not in self.gloo_copies:
-                self.gloo_copies[key] = nbytes
-                self._unseen(nbytes)
+            return int(args[1].untyped_storage().nbytes())
         return 0
 
     def made_outside(self, tensor: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 import remat
 from remat.meter import measure_step
 from remat.models import TinyGPT
+from tests.native import gloo_settle
 
 STEPS = 3
 
@@ -72,6 +73,7 @@ def main(rank: int, world: int, engines: dict[str, int], out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    gloo_settle.settle_work_waits()
     try:
         for engine, budget in engines.items():
             torch.save(_run(rank, world, engine, budget), Path(out) / f"{engine}_{rank}.pt")

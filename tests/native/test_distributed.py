@@ -5,7 +5,10 @@ random stream) bitwise equal to the same run without remat, and the steady step'
 peak lower, and equal to remat's prediction: for DDP the single-device step's, for FSDP2
 (``zero_stage=3, world_size=2``) the step traced under ``fully_shard`` on a fake process group;
 ``fsdp2-bf16`` is FSDP2 with its own mixed precision (``precision="bf16-fsdp"``: bf16 gathered
-parameters, fp32 reduce-scatter), traced under the same ``MixedPrecisionPolicy``.
+parameters, fp32 reduce-scatter), traced under the same ``MixedPrecisionPolicy``. The
+allocator's peak, also lower, is the predicted one, or above it by at most two buffers that
+gloo's worker thread let go of late (:func:`tests.checks.gloo_held`; the ranks wait for it,
+:func:`tests.native.gloo_settle.settle_work_waits`, which makes that rare).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.checks import assert_peak_close
+from tests.checks import gloo_held
 from tests.native import dist_worker
 from tests.native.ranks import spawn
 
@@ -60,6 +63,25 @@ def _budgets() -> dict[str, int]:
     return {"ddp": out["fsdp2"], **out}
 
 
+def _gloo_buffers(engine: str) -> list[int]:
+    """Bytes of the buffers gloo's thread can hold past a collective under ``engine``
+    (:func:`tests.checks.gloo_held`): each FSDP2 unit's all-gather output (its parameters,
+    dim 0 padded to the world size, in the gathered dtype) and its reduce-scatter's copy of
+    the gradients (in fp32). DDP's buckets live through the step: none."""
+    if engine == "ddp":
+        return []
+    model, _ = dist_worker.build()
+    units = [list(b.parameters()) for b in model.blocks]  # type: ignore[union-attr]
+    inside = {id(p) for unit in units for p in unit}
+    units.append([p for p in model.parameters() if id(p) not in inside])
+    gathered = 2 if engine == "fsdp2-bf16" else 4
+    out = []
+    for unit in units:
+        numel = sum(-(-p.shape[0] // WORLD) * WORLD * p[0].numel() for p in unit)
+        out += [numel * gathered, numel * 4]
+    return out
+
+
 def assert_trained_alike(got: dict[str, Any], rank: int | str) -> None:
     """A rank's parameters after every step, with remat and without, bitwise equal
     (``rank``: the rank, or where it ran)."""
@@ -83,7 +105,8 @@ def test_bitwise_and_lower_peak_per_rank(tmp_path: Path, monkeypatch) -> None:  
             assert ours["peak"] < got["plain"]["peak"], (where, ours["peak"])
             assert ours["allocator"] < got["plain"]["allocator"], (where, ours["allocator"])
             assert ours["peak"] == got["predicted_tensors"], (where, ours["peak"])
-            assert_peak_close(got["predicted"], ours["allocator"], f"{where}, allocator")
+            held = gloo_held(got["predicted"], ours["allocator"], _gloo_buffers(engine))
+            assert held, (f"{where}, allocator", got["predicted"], ours["allocator"])
 
 
 @pytest.mark.slow
