@@ -15,7 +15,7 @@ import contextlib
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,13 +129,24 @@ def _stderr_silenced() -> Iterator[None]:
 
 
 def _peak_of(prof: torch.profiler.profile) -> int:
+    return peak_of_events(tc.allocator_events(prof))
+
+
+def peak_of_events(events: Iterable[tuple[int, int, int]]) -> int:
+    """The peak of the blocks allocated among ``events`` ((time, bytes, address), in order:
+    + an allocation, - a free), counting a free only if its block was allocated among them
+    (:func:`allocator_peak_bytes`). A block whose address is allocated again before its free
+    was freed where the profiler does not record frees, on a thread that does not profile
+    (gloo's worker, dropping a collective's work last, ``tests/native/gloo_settle.py``): it
+    stops counting there, the latest it can have died, not at the end of the step."""
     live = peak = 0
-    mine: set[int] = set()
-    for _, nbytes, address in tc.allocator_events(prof):
+    mine: dict[int, int] = {}
+    for _, nbytes, address in events:
         if nbytes >= 0:
-            mine.add(address)
+            live -= mine.pop(address, 0)
+            mine[address] = nbytes
         elif address in mine:
-            mine.discard(address)
+            del mine[address]
         else:
             continue  # allocated before step()
         live += nbytes

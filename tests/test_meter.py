@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from remat.meter import LiveMemoryMeter, allocator_peak_bytes
+from remat.meter import LiveMemoryMeter, allocator_peak_bytes, peak_of_events
 
 
 def test_counts_new_storages_and_frees() -> None:
@@ -84,3 +84,14 @@ def test_allocator_peak_ignores_frees_of_blocks_allocated_before_the_step() -> N
         return torch.ones(1 << 18)
 
     assert allocator_peak_bytes(step) == 4 * (1 << 18)
+
+
+def test_a_block_whose_free_the_profiler_missed_stops_counting_when_its_address_returns() -> None:
+    """gloo's worker thread, when it drops a collective's work last, frees the work's buffers
+    where the profiler records no frees; the address coming back from malloc proves the block
+    died. Events: (time, bytes, address)."""
+    missed = [(0, 100, 1), (1, 50, 2), (2, -50, 2), (3, 80, 1), (4, 30, 3), (5, -80, 1)]
+    assert peak_of_events(missed) == 150  # not 100 + 80 + 30 from t=4 on
+    assert peak_of_events([*missed, (6, 200, 4)]) == 230  # 30 + 200: block 1 is gone
+    recorded = [(0, 100, 1), (1, -100, 1), (2, 80, 1), (3, -80, 1)]
+    assert peak_of_events(recorded) == 100
