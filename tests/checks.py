@@ -20,8 +20,13 @@ TOLERANCE_BYTES = 64 * 1024
 TOLERANCE_FRACTION = 0.01
 
 
+def tolerance(predicted: int) -> float:
+    """Bytes a measured peak may differ from ``predicted`` by: max(1%, 64 KiB)."""
+    return max(TOLERANCE_BYTES, TOLERANCE_FRACTION * predicted)
+
+
 def assert_peak_close(predicted: int, measured: int, what: str) -> None:
-    tol = max(TOLERANCE_BYTES, TOLERANCE_FRACTION * predicted)
+    tol = tolerance(predicted)
     assert abs(predicted - measured) <= tol, (
         f"{what}: predicted peak {predicted:,} B, measured {measured:,} B "
         f"(diff {measured - predicted:+,} B, tolerance {tol:,.0f} B)"
@@ -51,7 +56,7 @@ def gloo_held(predicted: int, measured: int, buffers: Sequence[int], more: int =
     the meter counts them live until their address is reused (:mod:`tests.native.
     gloo_settle`). Such a buffer can overlap any later moment, so it raises the peak by
     anything up to its size. Never below: nothing the prediction counts leaves early."""
-    tol = max(TOLERANCE_BYTES, TOLERANCE_FRACTION * predicted)
+    tol = tolerance(predicted)
     return predicted - tol <= measured <= predicted + tol + more * max(buffers, default=0)
 
 

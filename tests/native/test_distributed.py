@@ -96,6 +96,7 @@ def test_bitwise_and_lower_peak_per_rank(tmp_path: Path, monkeypatch) -> None:  
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     spawn(dist_worker.main, (WORLD, _budgets(), str(tmp_path)), WORLD)
     for engine in ENGINES:
+        buffers = _gloo_buffers(engine)
         for rank in range(WORLD):
             got = torch.load(tmp_path / f"{engine}_{rank}.pt")
             where = f"{engine} rank {rank}"
@@ -105,7 +106,7 @@ def test_bitwise_and_lower_peak_per_rank(tmp_path: Path, monkeypatch) -> None:  
             assert ours["peak"] < got["plain"]["peak"], (where, ours["peak"])
             assert ours["allocator"] < got["plain"]["allocator"], (where, ours["allocator"])
             assert ours["peak"] == got["predicted_tensors"], (where, ours["peak"])
-            held = gloo_held(got["predicted"], ours["allocator"], _gloo_buffers(engine))
+            held = gloo_held(got["predicted"], ours["allocator"], buffers)
             assert held, (f"{where}, allocator", got["predicted"], ours["allocator"])
 
 
