@@ -136,6 +136,23 @@ def test_a_model_that_branches_on_the_length_is_refused() -> None:
         memory_formula(Branchy(), torch.randint(0, 16, (2, 16)))
 
 
+def test_one_tensor_passed_as_inputs_and_labels_stays_one_at_every_shape() -> None:
+    """``model(ids, labels=ids)``, as Hugging Face language models train: the captures at
+    other shapes see one input too, so the fit answers (it used to refuse, blaming a branch
+    on a size), and its peak at a shape it never saw is the concrete capture's."""
+    ids = torch.randint(0, 128, (2, 16))
+    a, kw = inputs_at((ids,), {"labels": ids}, Dims.of((ids,), {"labels": ids}), 3, 20)
+    assert a[0] is kw["labels"] and a[0].shape == (3, 20)
+    torch.manual_seed(0)
+    model = llama(1, 64)
+    f = memory_formula(model, ids, example_kwargs={"labels": ids}, device_profile="h100")
+    b, s = 3, 27
+    a, kw = inputs_at((ids,), {"labels": ids}, Dims.of((ids,), {"labels": ids}), b, s)
+    problem = analyze(model, a, kw, device_profile="h100").problem
+    plan = solve(problem, solver="keep_all", budget_bytes=None)
+    assert f.step_peak_bytes(b, s) == plan.predicted_peak_bytes
+
+
 def test_a_short_example_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 8 tokens"):
         memory_formula(llama(), torch.randint(0, 128, (2, 5)))

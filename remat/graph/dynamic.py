@@ -115,15 +115,22 @@ def inputs_at(
     args: tuple[Any, ...], kwargs: Mapping[str, Any], dims: Dims, b: int, s: int | None
 ) -> Inputs:
     """The example inputs tiled and cropped to batch ``b`` and length ``s`` (the shapes of
-    :func:`shape_at`), so token ids, masks and labels stay valid."""
+    :func:`shape_at`), so token ids, masks and labels stay valid. One tensor passed twice
+    (``model(ids, labels=ids)``) stays one tensor: the captured graph then has the same
+    inputs at every shape, as it has at the example's."""
+    done: dict[int, torch.Tensor] = {}
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
+        if id(t) in done:
+            return done[id(t)]
         target = shape_at(dims, t.shape, b, s)
+        out = t
         for d, n in enumerate(target):
-            t = _resize(t, d, n)
-        return t
+            out = _resize(out, d, n)
+        done[id(t)] = out
+        return out
 
     new_args, new_kwargs = tc.tree_map(one, (args, dict(kwargs)))
     return tuple(new_args), new_kwargs
