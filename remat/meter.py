@@ -169,6 +169,41 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     return [t for t in tc.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
+class LossError(ValueError):
+    """The user's ``loss_fn`` did not return a scalar loss to start the backward from."""
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The user's loss, part of the step remat plans: ``fn(output, target)`` returns the
+    scalar the backward starts from. The step is then the one a training loop runs, ``out =
+    model(*inputs); loss = fn(out, target); del out; loss.backward()``: the model's output
+    lives only as long as the loss keeps it (cross-entropy keeps its log-softmax, not the
+    logits), and the loss's own buffers count."""
+
+    fn: Callable[[Any, Any], torch.Tensor]
+    target: Any = None
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        value = self.fn(output, self.target)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise LossError(
+                f"loss_fn must return the loss as a scalar tensor, not {_describe(value)}"
+            )
+        if not value.requires_grad:
+            raise LossError(
+                "loss_fn's result does not require grad: it must be computed from the model's "
+                "output (not detached, not under torch.no_grad)"
+            )
+        return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
 def training_step(
     module: torch.nn.Module,
     args: tuple[Any, ...],
@@ -178,22 +213,32 @@ def training_step(
     autocast: torch.dtype | None = None,
     on_backward: Callable[[list[torch.Tensor]], None] | None = None,
     autocast_policy: str = "native",
+    loss: Loss | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward, then backward with dense random output gradients (as a loss such as
-    cross-entropy produces), drawn from their own generator so the global random stream is
-    untouched. The outputs stay alive until the backward has run, as in a training loop.
-    Gradients accumulate into ``.grad``. ``autocast``: run the forward (not the backward, as
-    PyTorch recommends) under ``torch.autocast`` with this dtype. ``on_backward`` is called
-    with the outputs between the forward and the output gradients (tracers mark the phase
-    with it). ``autocast_policy``: ``cuda`` casts as CUDA autocast does on any device
-    (:mod:`remat.graph.autocast`)."""
-    gen = torch.Generator().manual_seed(seed)
+    """One training step; gradients accumulate into ``.grad``. With ``loss``: forward, the
+    loss (both under autocast, as training loops run them), the output released, backward
+    from the loss; returns the loss, detached. Without: forward, then backward with dense
+    random output gradients (as a loss such as cross-entropy produces), drawn from their own
+    generator so the global random stream is untouched; the outputs stay alive until the
+    backward has run; returns the outputs, detached. ``autocast``: run the forward (not the
+    backward, as PyTorch recommends) under ``torch.autocast`` with this dtype.
+    ``on_backward`` is called with the outputs (the loss) just before the backward starts
+    (tracers mark the phase with it). ``autocast_policy``: ``cuda`` casts as CUDA autocast
+    does on any device (:mod:`remat.graph.autocast`)."""
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     region = (
         autocast_for(device, autocast, autocast_policy)
         if autocast is not None
         else torch.autocast(device, enabled=False)
     )
+    if loss is not None:
+        with region:
+            value = loss(module(*args, **(kwargs or {})))
+        if on_backward is not None:
+            on_backward([value])
+        value.backward()
+        return (value.detach(),)
+    gen = torch.Generator().manual_seed(seed)
     with region:
         out = output_tensors(module(*args, **(kwargs or {})))
     if on_backward is not None:
@@ -215,11 +260,13 @@ def measure_step(
     seed: int = 0,
     autocast: torch.dtype | None = None,
     allocator: bool = False,
+    loss: Loss | None = None,
 ) -> StepMeasurement:
     """Run :func:`training_step` under a :class:`LiveMemoryMeter`; ``allocator``: and under
-    the profiler's allocator accounting (:func:`allocator_peak_bytes`), in the same run."""
+    the profiler's allocator accounting (:func:`allocator_peak_bytes`), in the same run.
+    ``loss``: the step with the user's loss (:class:`Loss`); the outputs are then the loss."""
     with contextlib.ExitStack() as stack:
         prof = stack.enter_context(allocator_profile()) if allocator else None
         with LiveMemoryMeter() as meter:
-            outputs = training_step(module, args, kwargs, seed=seed, autocast=autocast)
+            outputs = training_step(module, args, kwargs, seed=seed, autocast=autocast, loss=loss)
     return StepMeasurement(meter.peak_bytes, outputs, None if prof is None else _peak_of(prof))

@@ -116,6 +116,8 @@ def explain_plan(plan: Plan, problem: Problem, *, width: int = 120) -> str:
         if sim.step_time_s
         else plan.reason
     )
+    if plan.step:
+        console.print(f"The peak covers {plan.step}.")
     return buf.getvalue()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from remat.api import optimize
 from remat.graph.autocast import AUTOCAST
-from remat.meter import measure_step
+from remat.meter import Loss, measure_step
 from remat.native.api import apply
 from remat.native.state import plan_of
 from remat.request import as_args as _as_args
@@ -92,14 +92,17 @@ def verify(
     steps: int = 3,
     lr: float = 1e-2,
     native: bool = False,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
     **optimize_kwargs: Any,
 ) -> Verification:
     """Optimize a copy of ``model`` and train it beside another copy with AdamW for ``steps``.
 
-    ``model`` itself is not touched. Output gradients are dense and random (as a loss such as
-    cross-entropy would give), drawn from their own generator. ``native``: the copy is
-    prepared with :func:`remat.apply` (its own blocks under SAC policies) instead of
-    :func:`remat.optimize`.
+    ``model`` itself is not touched. ``loss_fn``: both train on ``loss_fn(output, target)``,
+    the step planned with that loss (the outputs compared are then the losses); without it,
+    output gradients are dense and random (as a loss such as cross-entropy would give), drawn
+    from their own generator. ``native``: the copy is prepared with :func:`remat.apply` (its
+    own blocks under SAC policies) instead of :func:`remat.optimize`.
     """
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
@@ -113,6 +116,9 @@ def verify(
         )
     autocast = AUTOCAST[precision]
     ref, work = copy.deepcopy(model), copy.deepcopy(model)
+    loss = Loss(loss_fn, target) if loss_fn is not None else None
+    if loss is not None:
+        optimize_kwargs = {**optimize_kwargs, "loss_fn": loss_fn, "target": target}
     fast: nn.Module
     if native:
         fast = apply(work, args, example_kwargs=kwargs, **optimize_kwargs)
@@ -134,10 +140,10 @@ def verify(
         opt_ref.zero_grad(set_to_none=True)
         opt_fast.zero_grad(set_to_none=True)
         torch.manual_seed(1000 + step)
-        eager = measure_step(ref, args, kwargs, seed=step, autocast=autocast)
+        eager = measure_step(ref, args, kwargs, seed=step, autocast=autocast, loss=loss)
         torch.manual_seed(1000 + step)
         measured = measure_step(
-            fast, args, kwargs, seed=step, autocast=fast_autocast, allocator=True
+            fast, args, kwargs, seed=step, autocast=fast_autocast, allocator=True, loss=loss
         )
         bad = compare(ref, fast, eager.outputs, measured.outputs, step)
         opt_ref.step()

@@ -261,3 +261,57 @@ def stage_inputs(
     tokens = torch.randint(0, vocab, (microbatch, PIPELINE_SEQ), generator=g)
     x = tokens if stage == 0 else torch.randn(microbatch, PIPELINE_SEQ, dim, generator=g)
     return x, torch.randint(0, vocab, (microbatch, PIPELINE_SEQ), generator=g)
+
+
+class TitanBlock(nn.Module):
+    """A decoder layer laid out as torchtitan's Llama 3 lays it out: RMSNorm, attention
+    through SDPA, a SwiGLU feed-forward, residual adds, no dropout."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.RMSNorm(dim)
+        self.wq, self.wk = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.wv, self.wo = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w3 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (
+            w(h).view(b, s, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, s, d))
+        h = self.ffn_norm(x)
+        return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class TitanLM(nn.Module):
+    """torchtitan's model layout: the blocks in an ``nn.ModuleDict`` (``layers["0"]``), run
+    in a loop over its values; the forward returns logits, the loss is the training loop's
+    (:func:`titan_loss`)."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(dim, heads) for i in range(layers)})
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def titan_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's training loss: token cross-entropy summed, then divided by the tokens."""
+    loss = nn.functional.cross_entropy(
+        pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum"
+    )
+    return loss / labels.numel()

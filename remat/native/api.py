@@ -27,6 +27,7 @@ from remat.budget import PRECISIONS
 from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
+from remat.meter import Loss
 from remat.native import planner, regions, shallow
 from remat.native.pipelining import Pipeline
 from remat.native.regions import BlockError
@@ -51,7 +52,7 @@ from remat.request import (
 )
 from remat.solver.config import BudgetError
 from remat.solver.formula import FitError
-from remat.solver.plan import Plan
+from remat.solver.plan import STEP_WITHOUT_LOSS, Plan
 from remat.solver.registry import solvers_for
 
 __all__ = ["NATIVE_SOLVERS", "apply", "save_plan", "unapply"]
@@ -69,6 +70,7 @@ def apply(
     example_kwargs: Mapping[str, Any] | None = None,
     request: Request | None = None,
     pipeline: Pipeline | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
     **flat: Unpack[RequestArgs],
 ) -> nn.Module:
@@ -138,24 +140,35 @@ def apply(
     (stage order), ``example_inputs`` one microbatch's input per stage, and the blocks by
     default each stage's own; the stages are planned together, for the rank's device.
 
+    ``loss_fn``: the loss the training loop computes from the model's output, ``loss =
+    loss_fn(output, target)`` (``target``: the example batch's labels, shaped as the inputs
+    are). The plan and its predicted peak are then those of the step the loop runs: ``out =
+    model(*inputs); loss = loss_fn(out, target); del out; loss.backward()`` (the output dies
+    when the loss no longer needs it; the loss's own buffers count). The model is still
+    called as before and returns its output. Without ``loss_fn`` the step planned is the
+    forward and a backward from a dense output gradient, the output alive until the backward
+    ends (``plan.step`` says which). With ``pipeline``, the loss is the pipeline's
+    (``Pipeline(loss_fn=...)``) and ``target`` one microbatch's target of the last stage.
+
     Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
     refused after them), and only once (:func:`unapply` first to re-plan).
     """
     req = request_of(request, flat)
     _check_request(req)
-    _check_pipeline(req, pipeline, target)
+    _check_pipeline(req, pipeline, target, loss_fn)
     _check_unwrapped(model)
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     if req.max_seq is not None:
-        args, kwargs = _at_longest(args, kwargs, req.max_seq)
+        args, kwargs, target = _at_longest(args, kwargs, target, req.max_seq)
+    loss = Loss(loss_fn, target) if loss_fn is not None else None
     device = req.device(model)
     profile = get_profile(resolve_profile(model, req.device_profile))
     options = req.training
 
     t0 = time.perf_counter()
-    blocks = _find_blocks(model, req.block_types, pipeline)
     use_cache = _disable_kv_cache(model)
     try:
+        blocks, chose = _find_blocks(model, req, pipeline, args, kwargs, profile, loss)
         with device_errors(device):
             problem, solution = _plan(
                 model,
@@ -166,6 +179,7 @@ def apply(
                 req.step_budget(device),
                 profile,
                 Stage(pipeline, target) if pipeline is not None else None,
+                loss,
             )
     except BudgetError as e:
         _restore_kv_cache(model, use_cache)
@@ -181,7 +195,9 @@ def apply(
         _restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
         raise
     t1 = time.perf_counter()
-    chosen = planner.to_plan(problem, solution)
+    chosen = replace(planner.to_plan(problem, solution), step=step_planned(loss, pipeline))
+    if chose:
+        chosen = replace(chosen, reason=f"{chose}; {chosen.reason}")
     if device is not None:
         chosen = replace(chosen, device_memory=device.breakdown(chosen))
 
@@ -218,18 +234,74 @@ def _times(trace: StepTrace) -> tuple[float, float]:
 
 
 def _find_blocks(
-    model: nn.Module, block_types: tuple[str, ...], pipeline: Pipeline | None
-) -> tuple[str, ...]:
-    """The blocks; for a rank of a multi-stage schedule (an ``nn.ModuleList`` of its
-    stages), by default each stage's own."""
+    model: nn.Module,
+    req: Request,
+    pipeline: Pipeline | None,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    profile: DeviceProfile,
+    loss: Loss | None,
+) -> tuple[tuple[str, ...], str]:
+    """The blocks, and how they were chosen where several sets compete ("" otherwise). For
+    a rank of a multi-stage schedule (an ``nn.ModuleList`` of its stages), by default each
+    stage's own."""
     if pipeline is not None:
         pipeline.check_modules(model)
-    if pipeline is None or pipeline.stages_per_rank == 1 or block_types:
-        return regions.find_blocks(model, block_types)
-    return tuple(
-        f"{k}.{path}"
-        for k, stage in enumerate(model.children())
-        for path in regions.find_blocks(stage, ())
+        if pipeline.stages_per_rank > 1 and not req.block_types:
+            return tuple(
+                f"{k}.{path}"
+                for k, stage in enumerate(model.children())
+                for path in regions.find_blocks(stage, ())
+            ), ""
+    if req.block_types:
+        return regions.find_blocks(model, req.block_types), ""
+    candidates = regions.block_candidates(model)
+    if len(candidates) == 1:
+        return candidates[0], ""
+    if req.is_plan_file():
+        assert isinstance(req.plan, (str, Path))
+        f = read_plan(req.plan)
+        saved = set(f.record.get("graph", {}).get("blocks", ()))
+        for blocks in candidates:  # the set the file was solved on
+            if set(_file_regions(f, model, blocks)) == saved:
+                return blocks, ""
+        return candidates[-1], ""  # its fingerprint then says it is for other blocks
+    return _least_peak_blocks(model, candidates, args, kwargs, req, profile, loss)
+
+
+def _least_peak_blocks(
+    model: nn.Module,
+    candidates: tuple[tuple[str, ...], ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    req: Request,
+    profile: DeviceProfile,
+    loss: Loss | None,
+) -> tuple[tuple[str, ...], str]:
+    """Of several sets of blocks (:func:`remat.native.regions.block_candidates`), the one
+    whose every block recomputed traces the least peak, ties to the finest: which level of a
+    nested stack (Swin's stages or their layers) lets a plan go lowest depends on the model,
+    so each is traced once, as it would be planned."""
+    progress = req.progress or (lambda _: None)
+    peaks = []
+    for blocks in candidates:
+        traced, problem = analyze(model, blocks, args, kwargs, req, profile, loss=loss)
+        policies = planner.fixed_policies(problem, "block")
+        peaks.append(traced.trace(args, kwargs, policies).peak_bytes)
+        progress(
+            f"native: {len(blocks)} blocks from {regions.describe_blocks(blocks)}: least peak "
+            f"{peaks[-1]:,} B (every block recomputed)"
+        )
+    best = min(range(len(candidates)), key=lambda k: (peaks[k], -k))
+    others = ", ".join(
+        f"{len(c)} from {regions.describe_blocks(c)}: {p:,} B"
+        for k, (c, p) in enumerate(zip(candidates, peaks, strict=True))
+        if k != best
+    )
+    blocks = candidates[best]
+    return blocks, (
+        f"blocks: the {len(blocks)} in {regions.describe_blocks(blocks)}, whose every block "
+        f"recomputed traces the least peak ({peaks[best]:,} B; {others})"
     )
 
 
@@ -241,11 +313,29 @@ class Stage:
     target: Any = None
 
 
-def _check_pipeline(req: Request, pipeline: Pipeline | None, target: Any) -> None:
+def step_planned(loss: Loss | None, pipeline: Pipeline | None = None) -> str:
+    """What a plan's peak covers (:attr:`remat.Plan.step`)."""
+    if pipeline is not None:
+        return f"one schedule step of {pipeline.describe()}, the pipeline's loss included"
+    if loss is not None:
+        return "the training step with its loss (loss_fn), the output freed before the backward"
+    return STEP_WITHOUT_LOSS
+
+
+def _check_pipeline(
+    req: Request, pipeline: Pipeline | None, target: Any, loss_fn: Any = None
+) -> None:
     if pipeline is None:
-        if target is not None:
-            raise ValueError("target is for a pipeline stage's loss: pass pipeline= too")
+        if target is not None and loss_fn is None:
+            raise ValueError(
+                "target is the loss's: pass loss_fn= too (loss = loss_fn(output, target))"
+            )
         return
+    if loss_fn is not None:
+        raise ValueError(
+            "a pipeline stage's loss is the pipeline's: remat.Pipeline(..., loss_fn=...), "
+            "not remat.apply(..., loss_fn=...)"
+        )
     if AUTOCAST.get(req.training.precision) is not None:
         raise ValueError(
             f"a pipeline stage is planned without autocast for now, not {req.training.precision}"
@@ -281,12 +371,13 @@ def _check_request(req: Request) -> None:
 
 
 def _at_longest(
-    args: tuple[Any, ...], kwargs: Mapping[str, Any], max_seq: int
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The example inputs tiled to ``max_seq`` along their sequence dimension."""
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, max_seq: int
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """The example inputs and the loss's target tiled to ``max_seq`` along their sequence
+    dimension (the target as the inputs: where its dimensions have their sizes)."""
     dims = sequence_dims(args, kwargs, max_seq)
-    a, kw = inputs_at(args, kwargs, dims, dims.batch, max_seq)
-    return a, dict(kw)
+    a, kw = inputs_at((*args, target), kwargs, dims, dims.batch, max_seq)
+    return a[:-1], dict(kw), a[-1]
 
 
 @dataclass(frozen=True)
@@ -330,6 +421,7 @@ def analyze(
     fsdp_units: tuple[str, ...] | None = None,
     stage: Stage | None = None,
     reuse: FakeModel | None = None,
+    loss: Loss | None = None,
 ) -> tuple[Traced, planner.NativeProblem]:
     """The step with every region (``blocks``) eager, traced on a FakeTensor copy of
     ``model`` (sharded with FSDP2 for ``zero_stage=3`` over several ranks: ``fsdp_units``, by
@@ -352,6 +444,7 @@ def analyze(
             fsdp_units=fsdp_units,
             pipeline=stage.pipeline if stage is not None else None,
             target=stage.target if stage is not None else None,
+            loss=loss,
         )
         return fake, planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
 
@@ -384,6 +477,7 @@ def _plan(
     step_budget: int | None,
     profile: DeviceProfile,
     stage: Stage | None = None,
+    loss: Loss | None = None,
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     """Trace the step with every region eager, then solve (or load, or fix) the policies.
     A solver plans on the blocks and the modules outside them
@@ -416,13 +510,14 @@ def _plan(
             fsdp_units=units,
             stage=stage,
             reuse=first if of is model else None,
+            loss=loss,
         )
         if of is model and first is None:
             analysis_s = time.perf_counter() - t
             first = traced.fake
         uniform = None
         if stage is None and not traced.fake.real:  # a stack of blocks, else None
-            uniform = uniform_costs(of, regions_, units, args, kwargs, req, profile)
+            uniform = uniform_costs(of, regions_, units, args, kwargs, req, profile, loss)
         return (
             problem,
             lambda policies, schedule=True: traced.trace(args, kwargs, policies, schedule),
@@ -531,6 +626,7 @@ def uniform_costs(
     kwargs: Mapping[str, Any],
     req: Request,
     profile: DeviceProfile,
+    loss: Loss | None = None,
 ) -> shallow.UniformCosts | None:
     """How the chain DP costs the uniform plans of ``model`` (its ``regions_``, FSDP2
     ``units``) on two shallow copies (:mod:`remat.native.shallow`), each analyzed as the
@@ -540,7 +636,7 @@ def uniform_costs(
         copy: nn.Module, copy_regions: tuple[str, ...], copy_units: tuple[str, ...]
     ) -> Callable[[str], StepTrace]:
         traced, problem = analyze(
-            copy, copy_regions, args, kwargs, req, profile, fsdp_units=copy_units
+            copy, copy_regions, args, kwargs, req, profile, fsdp_units=copy_units, loss=loss
         )
         plans = planner.uniform_plans(problem)
         return lambda name: traced.trace(args, kwargs, plans[name])

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
 )
 
 from remat import _torch_compat as tc
-from remat.solver.blocks import INDEXED, matches
+from remat.solver.blocks import matches
 
 OpKey = tuple[str, int]
 """``(ATen overload name, call index within the region's forward)``."""
@@ -46,41 +46,90 @@ class BlockError(ValueError):
     """No blocks to checkpoint, or blocks that cannot be wrapped."""
 
 
+STACKS = (nn.ModuleList, nn.ModuleDict)
+"""Containers whose children can be blocks: a ModuleList (``model.layers[3]``) or a
+ModuleDict (torchtitan's ``model.layers["3"]``)."""
+
+
 def find_blocks(model: nn.Module, block_types: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Paths of the blocks to wrap, in module order.
 
-    With ``block_types`` (class names such as ``LlamaDecoderLayer``, or path patterns such as
-    ``layers.*``): the outermost modules that match. Without: the children of the ModuleList
-    with the most children (at least two), as the ``block`` baseline and the chain solver of
-    the whole-graph path do.
+    With ``block_types`` (class names such as ``LlamaDecoderLayer``, a base class's name
+    matching its subclasses too, or path patterns such as ``layers.*``): the outermost
+    modules that match. Without: the only candidate of :func:`block_candidates` (where
+    several compete, :func:`remat.native.api.apply` picks by their traced least peaks).
     """
-    modules = dict(model.named_modules())
     if block_types:
-        chosen = [
-            path
-            for path, m in modules.items()
-            if path and matches(path, type(m).__name__, block_types)
-        ]
-        outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen)]
-        if not outermost:
-            raise BlockError(
-                f"no module of {type(model).__name__} matches block_types={block_types!r} "
-                "(class names such as 'LlamaDecoderLayer' or path patterns such as 'layers.*')"
-            )
-        return tuple(outermost)
-    lists = Counter(
-        m.group(1)
-        for path in modules
-        if (m := INDEXED.match(path)) and isinstance(modules.get(m.group(1)), nn.ModuleList)
-    )
-    if not lists or max(lists.values()) < 2:
+        return _named_blocks(model, block_types)
+    candidates = block_candidates(model)
+    if len(candidates) > 1:
         raise BlockError(
-            f"{type(model).__name__} has no repeated blocks (no ModuleList with two or more "
-            "children): name the modules to checkpoint with block_types=(class names or path "
-            "patterns, e.g. block_types=('DecoderLayer',) or ('layers.*',))"
+            f"{type(model).__name__} has {len(candidates)} levels of repeated blocks ("
+            + "; ".join(f"{len(c)} from {describe_blocks(c)}" for c in candidates)
+            + "): name one with block_types=(class names or path patterns)"
         )
-    prefix, _ = max(lists.items(), key=lambda kv: (kv[1], -len(kv[0])))
-    return tuple(p for p in modules if (m := INDEXED.match(p)) and m.group(1) == prefix)
+    return candidates[0]
+
+
+def block_candidates(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The sets of blocks a model could be checkpointed by, coarsest first: at each nesting
+    level, the children of every repeated stack there (a ModuleList or ModuleDict with two
+    or more children of one class) not inside another at that level. Why every stack of a
+    level together: an encoder-decoder's two layer lists (Whisper) are both the model's
+    blocks; why levels apart: Swin's stages each hold a list of layers, and which of the two
+    reaches the lower peak depends on the model, so both are traced."""
+    modules = dict(model.named_modules())
+    stacks = [
+        path for path, m in modules.items() if path and isinstance(m, STACKS) and _repeated(m)
+    ]
+    if not stacks:
+        raise BlockError(
+            f"{type(model).__name__} has no repeated blocks (no ModuleList or ModuleDict with "
+            "two or more children of one class): name the modules to checkpoint with "
+            "block_types=(class names or path patterns, e.g. block_types=('DecoderLayer',) "
+            "or ('layers.*',))"
+        )
+    levels: dict[int, list[str]] = {}
+    for path in stacks:
+        depth = sum(path.startswith(other + ".") for other in stacks)
+        levels.setdefault(depth, []).append(path)
+    out = []
+    for depth in sorted(levels):
+        parents = set(levels[depth])
+        out.append(tuple(p for p in modules if p.rpartition(".")[0] in parents))
+    return tuple(out)
+
+
+def _repeated(stack: nn.Module) -> bool:
+    kinds = Counter(type(m) for m in stack.children())
+    return bool(kinds) and max(kinds.values()) >= 2
+
+
+def describe_blocks(blocks: tuple[str, ...]) -> str:
+    """Where ``blocks`` are: their containers' paths."""
+    return ", ".join(dict.fromkeys(b.rpartition(".")[0] for b in blocks))
+
+
+def _named_blocks(model: nn.Module, block_types: tuple[str, ...]) -> tuple[str, ...]:
+    modules = dict(model.named_modules())
+    chosen = [
+        path
+        for path, m in modules.items()
+        if path and any(matches(path, cls.__name__, block_types) for cls in _classes(m))
+    ]
+    outermost = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen)]
+    if not outermost:
+        raise BlockError(
+            f"no module of {type(model).__name__} matches block_types={block_types!r} "
+            "(class names such as 'LlamaDecoderLayer' or path patterns such as 'layers.*')"
+        )
+    return tuple(outermost)
+
+
+def _classes(module: nn.Module) -> list[type]:
+    """The module's class and its bases up to ``nn.Module`` (excluded): a class name in
+    ``block_types`` names its subclasses too."""
+    return [c for c in type(module).__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
 
 
 def split_blocks(model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:

@@ -43,6 +43,8 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
         f"matmuls and attention, {share:.2%} of the estimated step time); outside the "
         f"regions: eager. {plan.reason}"
     )
+    if plan.step:
+        console.print(f"The peak covers {plan.step}.")
     return buf.getvalue()
 
 

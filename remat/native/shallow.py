@@ -23,6 +23,7 @@ from torch import nn
 
 from remat import _torch_compat as tc
 from remat.native.deep import WIDE, deep_costs, deep_sample
+from remat.native.regions import STACKS
 from remat.native.trace import StepTrace
 from remat.solver.chain import ChainCosts
 from remat.solver.formula import FitError
@@ -45,8 +46,9 @@ UniformCosts = Callable[[Sequence[str]], list[tuple[ChainCosts, int]]]
 
 
 def _stack(model: nn.Module, regions: Sequence[str]) -> str:
-    """Path of the ModuleList whose children are the regions between the outside ones."""
-    lists = [p for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and p]
+    """Path of the ModuleList (or ModuleDict, as torchtitan holds its layers) whose
+    children are the regions between the outside ones."""
+    lists = [p for p, m in model.named_modules() if isinstance(m, STACKS) and p]
     if not lists:
         raise FitError("no ModuleList holds the regions")
     path = max(lists, key=lambda p: sum(r.startswith(p + ".") for r in regions))
@@ -75,8 +77,11 @@ def truncated(
         new.register_module(part, child)
         new = child
     stack = new.get_submodule(name)
-    assert isinstance(stack, nn.ModuleList)
-    new.register_module(name, nn.ModuleList(list(stack)[:keep]))
+    if isinstance(stack, nn.ModuleDict):
+        new.register_module(name, nn.ModuleDict(dict(list(stack.items())[:keep])))
+    else:
+        assert isinstance(stack, nn.ModuleList)
+        new.register_module(name, nn.ModuleList(list(stack)[:keep]))
     return root, _kept(regions, path, keep)
 
 

@@ -36,7 +36,7 @@ from remat.graph.autocast import policy_of
 from remat.graph.costs import op_cost
 from remat.graph.profiles import DeviceProfile
 from remat.graph.scratch import Call, call_of, device_of, measure_scratch, where_measured_on
-from remat.meter import LiveMemoryMeter, output_tensors, training_step
+from remat.meter import LiveMemoryMeter, Loss, LossError, output_tensors, training_step
 from remat.native import regions
 from remat.native.hf import real_packing_check
 from remat.native.pipelining import Action, Pipeline, ScheduleTrace
@@ -544,7 +544,9 @@ class FakeModel:
     run inside the blocks FSDP2 shards). ``pipeline``: the model is that stage of a pipeline
     (:mod:`remat.native.pipelining`); each trace also steps it through the schedule, as its
     rank on a fake process group of ``n_stages`` ranks, and its peak is that step's.
-    ``target``: one microbatch's, for the last stage's loss.
+    ``target``: one microbatch's, for the last stage's loss. ``loss``: the user's loss
+    (:class:`remat.meter.Loss`, its target on the copy's tensors), part of every traced step
+    (not with ``pipeline``, whose loss is the schedule's).
 
     The regions are traced in the order their forwards first run (:meth:`in_call_order`)."""
 
@@ -559,6 +561,7 @@ class FakeModel:
         fsdp_units: Sequence[str] | None = None,
         pipeline: Pipeline | None = None,
         target: Any = None,
+        loss: Loss | None = None,
     ) -> None:
         self.real = real
         self.source_device = device_of(model)
@@ -591,6 +594,10 @@ class FakeModel:
         (:func:`remat.native.parallel.tensor_parallel`); None for a real process group, or
         none."""
         self._warm = False
+        self.loss: Loss | None = None
+        if loss is not None:
+            with self.mode:
+                self.loss = replace(loss, target=tc.tree_map(self._fake, loss.target))
         self.pipeline = pipeline
         self.target = target
         self._pp_group: Any = None
@@ -743,6 +750,7 @@ class FakeModel:
                     autocast=autocast,
                     on_backward=backward_starts,
                     autocast_policy=policy_of(profile.name),
+                    loss=self.loss,
                 )
                 live_at_end = frozenset(recorder.names.values())
         missing = [self.blocks[k] for k in range(len(self.blocks)) if k not in recorder.fwd_live]
@@ -785,7 +793,7 @@ class FakeModel:
         user's model when that is fake)."""
         try:
             yield
-        except TraceError:
+        except (TraceError, LossError):
             raise
         except Exception as e:
             raise _explain(e, recorder, self.real) from e
@@ -960,7 +968,14 @@ class FakeModel:
             self.mode,
             torch.random.fork_rng(devices=[]),
         ):
-            training_step(self._stepped(), args, kwargs, autocast=autocast, autocast_policy=policy)
+            training_step(
+                self._stepped(),
+                args,
+                kwargs,
+                autocast=autocast,
+                autocast_policy=policy,
+                loss=self.loss,
+            )
         for p in self.module.parameters():
             p.grad = None
         self._warm = True

@@ -37,6 +37,12 @@ class Proof(str, enum.Enum):
     known (a plan file written before plans recorded their proof): no optimality claim."""
 
 
+STEP_WITHOUT_LOSS = (
+    "the module's forward and a backward from a dense output gradient, the output alive "
+    "until the backward ends (no loss_fn: the loss computed outside the module is not planned)"
+)
+
+
 @dataclass(frozen=True)
 class Plan:
     saved: frozenset[str]
@@ -56,6 +62,9 @@ class Plan:
     """A proven lower bound on the least recompute time under the same budget, when the
     solver has one (the exact MILP: its optimum, or its dual bound when time ran out; the LP
     rounding: the LP's; the chain solver: :mod:`remat.solver.bound`'s)."""
+    step: str = ""
+    """The step the predicted peak covers: with the user's loss (``loss_fn=``), or the
+    forward and a backward from a dense output gradient (:data:`STEP_WITHOUT_LOSS`)."""
     device_memory: Mapping[str, int] | None = None
     """With a whole-device budget (``remat.optimize(..., budget_gb=)``): bytes per device of
     ``parameters``, ``gradient_shards``, ``optimizer_state``, ``reserve``, ``step_peak`` (this
@@ -115,7 +124,9 @@ class Plan:
             f"(at {sim.peak_step}); saved for backward {fmt_bytes(sim.saved_bytes)} "
             f"in {len(self.schedule.saved)} values; {len(self.schedule.recomputed)} ops "
             f"recomputed, {sim.recompute_flops / 1e9:.3f} GFLOP, "
-            f"{overhead:.1%} of the estimated step time; {self.proof_text}. {self.reason}"
+            f"{overhead:.1%} of the estimated step time; {self.proof_text}"
+            + (f"; the peak covers {self.step}" if self.step else "")
+            + f". {self.reason}"
         )
 
 
