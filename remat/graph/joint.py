@@ -134,13 +134,21 @@ def build_joint(captured: Captured) -> JointGraph:
             total.meta["partitioner_tag"] = "is_backward"
         grad_pairs.append((total.name, grad_of[target_name]))
 
-    _dropout_backward_as_eager(graph)
-    _split_dropout(graph)
-    _dropout_backward_vectorised(graph)
     names = {n.name: n for n in graph.nodes}
     kept = (*user, *(m for m, _ in mutations), *(g for g, _ in grad_pairs))
     output.args = (tuple(names[n] for n in kept),)
     output.meta.pop("desc", None)
+    # The rewrites below replace nodes, a user output or a gradient among them (a model that
+    # returns a dropout's result): they redirect the output node's uses, which are read back.
+    _dropout_backward_as_eager(graph)
+    _split_dropout(graph)
+    _dropout_backward_vectorised(graph)
+    final_nodes: tuple[torch.fx.Node, ...] = output.args[0]  # type: ignore[assignment]
+    final = [n.name for n in final_nodes]
+    nu, nm = len(user), len(mutations)
+    user = final[:nu]
+    mutations = [(n, m) for n, (_, m) in zip(final[nu : nu + nm], mutations, strict=True)]
+    grad_pairs = [(n, g) for n, (_, g) in zip(final[nu + nm :], grad_pairs, strict=True)]
     drop_copies(graph)
     tangents = {p.name for p in placeholders if p.role is Role.TANGENT}
     sum_in_place(graph, backward_nodes(graph, tangents))
@@ -176,8 +184,11 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
     element) besides the mask. Split, only the mask (1 byte per element) must be saved and the
     output can be recomputed as ``x * mask * (1 / (1 - p))``, the mask converted to float by
     :func:`_mask_as_float`. On CPU this draws the same random numbers in the same order and
-    gives bitwise-identical values for float32 inputs (checked by the zoo tests). For 16-bit inputs (autocast) the fused kernel draws its mask in the input's
-    dtype and the split would not match it bit for bit: those stay fused. So do inputs on
+    gives bitwise-identical values for float32 inputs (checked by the zoo tests), the mask
+    drawn in the input's memory order as eager's noise is (:func:`_memory_order`; drawn
+    contiguous, the mask of Whisper's ``conv1d -> permute -> dropout`` got other elements'
+    draws, outputs off by up to 2.19). For 16-bit inputs (autocast) the fused kernel draws its
+    mask in the input's dtype and the split would not match it bit for bit: those stay fused. So do inputs on
     another device: eager CUDA runs the fused kernel (``is_fused_kernel_acceptable``), whose
     Philox draws a split ``bernoulli`` does not reproduce (seen on an H200: outputs off by up to
     29 with the split, bitwise without it).
@@ -196,17 +207,35 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
         if len(parts) != len(node.users):
             continue
         mode = getattr(x.meta["val"], "fake_mode", None)
-        with graph.inserting_before(node):
-            empty = graph.call_function(aten.empty_like.default, (x,), {"dtype": torch.bool})
-            mask = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
+        xv = x.meta["val"]
         with mode or contextlib.nullcontext():
-            xv = x.meta["val"]
-            empty.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
             # Reuse the fused op's fake outputs: downstream views share their fake storages,
             # which is how the problem knows those views allocate nothing.
-            mask.meta["val"] = (
-                parts[1].meta["val"] if 1 in parts else torch.empty_like(xv, dtype=torch.bool)
-            )
+            like = parts[1].meta["val"] if 1 in parts else torch.empty_like(xv, dtype=torch.bool)
+            order = _memory_order(torch.empty_like(xv))
+            if order is not None and not like.permute(order).is_contiguous():
+                continue  # eager's noise and the fused mask disagree on the layout: keep fused
+        new: list[torch.fx.Node] = []
+        with graph.inserting_before(node):
+            if order is None:
+                empty = graph.call_function(aten.empty_like.default, (x,), {"dtype": torch.bool})
+                mask = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
+                new += [empty, mask]
+            else:
+                shape = [xv.shape[d] for d in order]
+                empty = graph.call_function(
+                    aten.new_empty.default, (x, shape), {"dtype": torch.bool}
+                )
+                drawn = graph.call_function(aten.bernoulli.p, (empty, 1.0 - p))
+                mask = graph.call_function(aten.permute.default, (drawn, _inverse(order)))
+                new += [empty, drawn, mask]
+        with mode or contextlib.nullcontext():
+            if order is None:
+                empty.meta["val"] = torch.empty_like(xv, dtype=torch.bool)
+            else:
+                empty.meta["val"] = like.new_empty(shape)
+                drawn.meta["val"] = like.permute(order)  # the mask's storage, in memory order
+            mask.meta["val"] = like
         with graph.inserting_before(node):
             as_bytes, as_float = _mask_as_float(graph, mask)
             masked = graph.call_function(aten.mul.Tensor, (x, as_float))
@@ -214,15 +243,36 @@ def _split_dropout(graph: torch.fx.Graph) -> None:
         with mode or contextlib.nullcontext():
             masked.meta["val"] = torch.empty_like(xv)
             out.meta["val"] = parts[0].meta["val"] if 0 in parts else torch.empty_like(xv)
-        for new in (empty, mask, as_bytes, as_float, masked, out):
-            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
-            new.meta["seq_nr"] = node.meta.get("seq_nr")
-            new.meta["partitioner_tag"] = node.meta.get("partitioner_tag")
+        for added in (*new, as_bytes, as_float, masked, out):
+            added.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+            added.meta["seq_nr"] = node.meta.get("seq_nr")
+            added.meta["partitioner_tag"] = node.meta.get("partitioner_tag")
         for index, replacement in ((0, out), (1, mask)):
             if index in parts:
                 parts[index].replace_all_uses_with(replacement)
                 graph.erase_node(parts[index])
         graph.erase_node(node)
+
+
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The dimensions of a dense ``t`` from outermost to innermost in memory, or None where
+    that is their logical order (``t`` contiguous).
+
+    Why: CPU ``bernoulli_`` fills its tensor in memory order, and eager dropout draws into
+    ``empty_like(input)``, which keeps the input's layout; the functional ``bernoulli.p`` the
+    split uses always returns a contiguous tensor. Drawn contiguous in this order and permuted
+    back, the split's mask gets each element's draw at the same place in the sequence."""
+    if t.is_contiguous() or t.numel() == 0:
+        return None
+    strides = t.stride()
+    return sorted(range(t.dim()), key=lambda d: (t.shape[d] != 1, -strides[d]))
+
+
+def _inverse(order: list[int]) -> list[int]:
+    out = [0] * len(order)
+    for position, dim in enumerate(order):
+        out[dim] = position
+    return out
 
 
 def _mask_as_float(
