@@ -53,6 +53,7 @@ __all__ = [
     "activation_memory_budget",
     "allocator_events",
     "allocator_events_by_label",
+    "autograd_functions_applied",
     "boxed_codegen",
     "child_modules",
     "current_graph_task_id",
@@ -189,6 +190,29 @@ def rng_states_saved(callback: Callable[[torch.Tensor], None]) -> Iterator[None]
         yield
     finally:
         torch.get_rng_state = original
+
+
+@contextlib.contextmanager
+def autograd_functions_applied(callback: Callable[[type, Any], None]) -> Iterator[None]:
+    """Call ``callback(function_class, outputs)`` each time a ``torch.autograd.Function``
+    subclass is applied while active. Why: non-strict ``torch.export`` runs a Function's
+    forward and records its ops inline, with no higher-order op or marker for the Function
+    (only Dynamo's strict tracing makes ``autograd_function_apply``); the joint graph then
+    differentiates those ops and the Function's own backward is lost. Relies on subclasses
+    inheriting ``Function.apply``, a classmethod (2.13)."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        out = original.__func__(cls, *args, **kwargs)
+        callback(cls, out)
+        return out
+
+    function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[method-assign]
 
 
 RETURNS_ITS_INPUT: frozenset[Any] = frozenset(

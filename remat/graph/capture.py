@@ -284,6 +284,34 @@ def capture(
     flat_inputs = tuple(layout.flatten(args, kwargs))
     record: list[OutputLayout] = []
     wrapper = _FlatModel(model, layout, record, autocast, autocast_policy)
+    functions = _CustomFunctions()
+    with tc.autograd_functions_applied(functions.on_apply):
+        gm, used, branches = _trace(model, wrapper, layout, record, flat_inputs, method)
+    if functions.seen:
+        raise functions.error(model)
+    assert record, "the traced forward did not run"
+    outputs = record[-1]
+    if not outputs.tensor_positions:
+        raise ValueError(
+            f"{type(model).__name__} returned no tensor (output: {outputs.spec}); remat needs a "
+            "tensor output to differentiate"
+        )
+    if isinstance(gm, torch.fx.GraphModule):
+        _strip_asserts(gm)
+    return Captured(gm, used, layout, outputs, flat_inputs, tuple(branches))
+
+
+def _trace(
+    model: nn.Module,
+    wrapper: _FlatModel,
+    layout: InputLayout,
+    record: list[OutputLayout],
+    flat_inputs: tuple[torch.Tensor, ...],
+    method: str,
+) -> tuple[nn.Module, str, list[Branch]]:
+    """Export ``wrapper``, or ``symbolic_trace`` ``model`` where export fails and ``method``
+    allows: the graph, the method used and the mask branches taken."""
+    autocast, autocast_policy = wrapper.autocast, wrapper.autocast_policy
     export_error: BaseException | None = None
     branches: list[Branch] = []
     gm: nn.Module | None = None
@@ -310,16 +338,49 @@ def capture(
                 gm(*flat_inputs)  # records the output layout
         except Exception as e:  # noqa: BLE001 - re-raised with context below
             raise _capture_error(model, export_error or e) from (export_error or e)
-    assert record, "the traced forward did not run"
-    outputs = record[-1]
-    if not outputs.tensor_positions:
-        raise ValueError(
-            f"{type(model).__name__} returned no tensor (output: {outputs.spec}); remat needs a "
-            "tensor output to differentiate"
+    return gm, used, branches
+
+
+class _CustomFunctions:
+    """The user's ``torch.autograd.Function`` classes applied while tracing with gradients
+    flowing through them, and where each was first applied.
+
+    Why: the traced graph holds a Function's forward ops inline and nothing of its backward
+    (:func:`remat._torch_compat.autograd_functions_applied`), so the joint graph would
+    differentiate the forward instead (BLOOM's ``GeLUFunction``; a straight-through
+    ``round`` got zero gradients) and train silently wrong. torch's own Functions are left
+    out; so are applications whose outputs need no gradient (their backward never runs)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[type, traceback.FrameSummary | None] = {}
+
+    def on_apply(self, cls: type, out: Any) -> None:
+        if cls in self.seen or cls.__module__.split(".")[0] == "torch":
+            return
+        leaves = tc.tree_leaves(out)
+        # A tensor that needs no gradient is safe; anything else (a requires_grad tensor,
+        # symbolic_trace's Proxy) may carry one.
+        if all(isinstance(t, torch.Tensor) and not t.requires_grad for t in leaves):
+            return
+        self.seen[cls] = _innermost_user_frame(traceback.extract_stack())
+
+    def error(self, model: nn.Module) -> CaptureError:
+        lines = []
+        for cls, frame in self.seen.items():
+            where = (
+                f" at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+                if frame
+                else ""
+            )
+            lines.append(f"\n  {cls.__module__}.{cls.__qualname__} applied{where}")
+        names = ", ".join(cls.__name__ for cls in self.seen)
+        return CaptureError(
+            f"could not capture {type(model).__name__} as a graph: it applies the custom "
+            f"torch.autograd.Function {names}, whose own backward a captured graph cannot "
+            f"run (the graph would differentiate its forward ops instead: wrong gradients)"
+            f"{''.join(lines)}\n  what to try: remat.apply(model, example_inputs, ...), which "
+            "runs eager autograd on the model's blocks and so the Function's backward"
         )
-    if isinstance(gm, torch.fx.GraphModule):
-        _strip_asserts(gm)
-    return Captured(gm, used, layout, outputs, flat_inputs, tuple(branches))
 
 
 @dataclass(frozen=True)
@@ -500,12 +561,18 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        for frame in traceback.extract_tb(e.__traceback__):
-            f = os.path.abspath(frame.filename)
-            if f.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB_DIR)) or "<" in frame.filename:
-                continue
-            best = frame
+        best = _innermost_user_frame(traceback.extract_tb(e.__traceback__)) or best
         e = e.__cause__ or e.__context__
+    return best
+
+
+def _innermost_user_frame(frames: traceback.StackSummary) -> traceback.FrameSummary | None:
+    best = None
+    for frame in frames:
+        f = os.path.abspath(frame.filename)
+        if f.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB_DIR)) or "<" in frame.filename:
+            continue
+        best = frame
     return best
 
 

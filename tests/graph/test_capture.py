@@ -207,3 +207,62 @@ class Wrapped(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner(ids).logits
+
+
+class StraightThrough(torch.autograd.Function):
+    """Round forward, identity backward: its gradient is not the forward ops' (zero)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class Quantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(StraightThrough.apply(self.lin(x)))
+
+
+@pytest.mark.parametrize("method", ["auto", "symbolic_trace"])
+def test_custom_autograd_function_is_refused_naming_class_line_and_fix(method: str) -> None:
+    """A traced graph holds a Function's forward ops and nothing of its own backward: the
+    joint graph would differentiate ``round`` (zero gradients) without a word."""
+    apply = torch.autograd.Function.__dict__["apply"]
+    with pytest.raises(CaptureError) as err:
+        capture(Quantized(), (torch.randn(4, 8),), method=method)
+    assert torch.autograd.Function.__dict__["apply"] is apply  # the watch is removed
+    msg = str(err.value)
+    assert "Quantized" in msg and "StraightThrough" in msg
+    assert "test_capture.py" in msg and "StraightThrough.apply(self.lin(x))" in msg
+    assert "remat.apply" in msg
+
+
+class InputOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(StraightThrough.apply(x))
+
+
+def test_custom_function_whose_backward_never_runs_is_captured() -> None:
+    """Applied to an input that needs no gradient, the Function's backward never runs."""
+    assert capture(InputOnly(), (torch.randn(4, 8),)).method == "export"
+
+
+def test_bloom_gelu_function_is_refused() -> None:
+    """BLOOM's MLP applies ``GeLUFunction``, whose backward is a hand-written tanh
+    approximation: differentiated as traced, BLOOM's gradients differed from eager's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(n_layer=2, hidden_size=32, n_head=2, vocab_size=64)
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match=r"GeLUFunction(.|\n)*modeling_bloom\.py:\d+"):
+        remat.optimize(transformers.BloomForCausalLM(cfg), torch.randint(0, 64, (2, 8)))
