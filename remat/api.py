@@ -98,6 +98,13 @@ def optimize(
     The model may be built under ``remat.fake_mode()`` to plan shapes larger than this
     machine: the returned module then carries a plan but cannot run.
     """
+    if "loss_fn" in flat or "target" in flat:
+        raise ValueError(
+            "remat.optimize plans the module's forward and a backward from a dense output "
+            "gradient; a loss computed outside the module is planned by remat.apply(model, "
+            "inputs, loss_fn=..., target=...). With remat.optimize, compute the loss inside "
+            "the module (a wrapper whose forward returns it)"
+        )
     req = request_of(request, flat)
     if req.training.precision == FSDP_MIXED:
         raise ValueError(

@@ -710,7 +710,7 @@ def _best(
 ) -> tuple[planner.NativeProblem, planner.Solution]:
     if best is None:
         assert error is not None
-        raise error
+        raise error from None  # the least peak of both passes, not a chain of two
     return best
 
 

@@ -440,7 +440,7 @@ def _cheaper(
         if milp is None:
             if chain is None:
                 raise OutOfTime("neither the exact MILP nor the chain DP found a plan in the time")
-            raise chain
+            raise chain from None  # one least peak per error, not a chain of them
         no_chain = "no chain DP plan fits" if chain is not None else "the chain DP did not run"
         return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {no_chain}; {took}")
     if milp is None or _cost(milp) >= _cost(chain):

@@ -42,6 +42,8 @@ def test_torchtitan_layout_with_its_loss_three_budgets() -> None:
         )  # fmt: skip
     least = info.value.least_peak_bytes
     assert least < eager // 2
+    # One least peak per error: no chained error naming another.
+    assert info.value.__cause__ is None and info.value.__suppress_context__
     for budget in (least, (least + eager) // 2, eager):
         result = assert_trains_like_eager(
             model, (tokens,), {}, native=True, loss_fn=titan_loss, target=labels,
@@ -150,3 +152,9 @@ def test_nested_blocks_are_chosen_by_their_traced_least_peak() -> None:
     reason = remat.plan_of(model).reason
     assert "whose every block recomputed traces the least peak" in reason
     assert "2 from stages" in reason
+
+
+def test_optimize_points_a_loss_outside_the_model_to_apply() -> None:
+    model, tokens, labels = _titan()
+    with pytest.raises(ValueError, match=r"remat.apply\(model, inputs, loss_fn"):
+        remat.optimize(model, tokens, loss_fn=titan_loss, target=labels)  # type: ignore[call-arg]
