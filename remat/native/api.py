@@ -548,7 +548,15 @@ def _plan(
         """The plan on ``regions_``, its analysis counted in the time until ``deadline``
         (``standing``: a plan from the blocks' pass stands)."""
         problem, tracer, uniform = analyzed or on(regions_)
-        left = max(deadline - time.perf_counter(), 0.0)
+        left = deadline - time.perf_counter()
+        if left < config.time_limit_s * MIN_SOLVE_SHARE:
+            # The analyses took the time limit: the solvers still get a share of it, not 0.
+            progress(
+                f"native: the analyses took {config.time_limit_s - left:.0f} s of the "
+                f"{config.time_limit_s:g}-s time limit; solving in "
+                f"{config.time_limit_s * MIN_SOLVE_SHARE:.0f} s more"
+            )
+            left = config.time_limit_s * MIN_SOLVE_SHARE
         return problem, planner.solve(
             problem,
             tracer,
@@ -616,6 +624,11 @@ def _plan(
     if best is None or _cost(solution) < _cost(best[1]):
         return finer, solution
     return best
+
+
+MIN_SOLVE_SHARE = 0.1
+"""The least share of the time limit a pass's solvers get, however long its analyses took
+(a time limit of 0 is no solve at all)."""
 
 
 def uniform_costs(
