@@ -5,8 +5,9 @@ Peers, each applied to the model's own blocks:
 
 - ``every block``: each block fully recomputed (``checkpoint`` around it; what Hugging Face's
   ``gradient_checkpointing_enable()`` does, measured with HF's own switch on HF models);
-- ``selective op``: each block keeps its matmul and attention outputs, recomputes the rest
-  (torchtitan's selective-op policy);
+- ``selective op``: each block keeps the outputs of its ops with FLOPs (matmuls,
+  convolutions, attention) and recomputes the rest (``keep_matmuls``; torchtitan's own policy
+  recomputes every second matmul and CPU attention: ``torchtitan_op``);
 - ``torch budget F``: ``torch.compile`` with the min-cut partitioner under
   ``activation_memory_budget = F`` (``--partitioner``; compiled, so not the same executor).
 

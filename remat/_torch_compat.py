@@ -54,6 +54,7 @@ __all__ = [
     "allocator_events",
     "allocator_events_by_label",
     "autograd_functions_applied",
+    "compute_intensive_ops",
     "boxed_codegen",
     "child_modules",
     "current_graph_task_id",
@@ -224,6 +225,16 @@ RETURNS_ITS_INPUT: frozenset[Any] = frozenset(
 """Functional-collective ops (tensor parallelism's all-reduces, all-gathers) that return
 their argument's storage when they run (the wait; the wrapper of a pending result) and a
 copy on FakeTensors."""
+
+
+def compute_intensive_ops() -> frozenset[str]:
+    """The ATen overloads (``aten.mm.default``, ...) PyTorch's partitioner deems compute
+    intensive (``get_default_op_list().compute_intensive_ops``), which torchtitan's op-SAC
+    policy saves."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = get_default_op_list().compute_intensive_ops
+    return frozenset(str(op.default) for op in ops)  # type: ignore[attr-defined]
 
 
 def storage_tensors(tree: Any) -> list[torch.Tensor]:

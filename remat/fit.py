@@ -56,8 +56,8 @@ CAPS: tuple[float, ...] = (5.0, 10.0, 20.0)
 FIXED = {"no checkpointing": "keep_all", "Megatron selective": "megatron", "every block": "block"}
 """Rows of fixed plans for remat's executor: row name -> plan."""
 FIXED_SAC = {"no checkpointing": "keep_all", "keep matmuls": "keep_matmuls", "every block": "block"}
-"""Rows of fixed plans for ``remat.apply``'s executor (``keep matmuls``: torchtitan's
-selective-op policy)."""
+"""Rows of fixed plans for ``remat.apply``'s executor (``keep matmuls``: every block keeps the
+outputs of its ops with FLOPs)."""
 
 
 @dataclass(frozen=True)

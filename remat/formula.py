@@ -153,7 +153,7 @@ def memory_formula(
 
     ``executor="graph"``: a plan of remat's own executor (a named plan, or a :class:`Plan`),
     the step captured at the fit's shapes. ``executor="sac"``: one of ``remat.apply``'s fixed
-    plans (``keep_all``, ``keep_matmuls``, ``block``) on the model's blocks (``block_types``),
+    plans (``keep_all``, ``keep_matmuls``, ``torchtitan_op``, ``block``) on the model's blocks (``block_types``),
     the step traced as ``remat.apply`` traces it (FSDP2 over ``world_size`` ranks with
     ``zero_stage=3``; ``precision="bf16-fsdp"`` for its mixed precision) at the same shapes;
     ``copies``: a builder of the model with ``n`` blocks, to trace a deep stack on copies with

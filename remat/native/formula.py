@@ -27,7 +27,7 @@ from remat.native.dynamic import (
     trace_dynamic,
 )
 from remat.native.pipelining import Pipeline
-from remat.native.planner import NATIVE_PLANS, NativeProblem, fixed_policies, uniform_plans
+from remat.native.planner import FITTED_PLANS, NativeProblem, fixed_policies, uniform_plans
 from remat.native.regions import Policy
 from remat.native.workers import Mapped
 from remat.peak_formula import MemoryFormula
@@ -67,13 +67,13 @@ def native_dynamic(
     kwargs: Mapping[str, Any],
     request: Request,
     *,
-    plans: Sequence[str] = NATIVE_PLANS,
+    plans: Sequence[str] = FITTED_PLANS,
     menus: bool = False,
     seq: bool | None = None,
     batch: int | None = None,
     copies: Copies | None = None,
 ) -> tuple[NativeDynamic, NativeProblem]:
-    """``model``'s step under each of ``plans`` (:data:`remat.native.planner.NATIVE_PLANS`)
+    """``model``'s step under each of ``plans`` (:data:`remat.native.planner.FITTED_PLANS`)
     and, with ``menus``, each uniform option of the chain DP's menus, fitted over every shape
     for the request's training options, on copies of ``model`` (it is not modified). The
     menus are chosen at the example's shape.
@@ -151,7 +151,7 @@ def stage_dynamic(
         profile,
         stage=Stage(pipeline, target),
     )
-    chosen = _plans(problem, NATIVE_PLANS, menus)
+    chosen = _plans(problem, FITTED_PLANS, menus)
 
     def sample_at(b: int, s: int | None, name: str, policies: Sequence[Policy]) -> Sample:
         a, _ = inputs_at(inputs, {}, dims, b, s)

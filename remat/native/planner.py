@@ -7,7 +7,7 @@
    checkpoint) to keeping nothing (the whole block recomputed, as Hugging Face's
    ``gradient_checkpointing_enable()``): in between, SAC policies that keep the ops with the
    most recompute time per byte first, cut where they cover a share of the block's recompute
-   time, plus the matmul/attention outputs alone (torchtitan's selective-op policy).
+   time, plus the outputs of the ops with FLOPs alone (matmuls, convolutions, attention).
 3. **Costs in context.** Each option is applied to every block and the step traced; per block:
    the bytes it holds from its forward to its backward, its forward and backward peaks above
    what the earlier blocks hold, and its recompute time. These are
@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from remat import _torch_compat as tc
 from remat.graph.profiles import DeviceProfile
 from remat.native.dataflow import problem_of
 from remat.native.pipelining import ScheduleTrace
@@ -84,9 +85,31 @@ SECOND_OPINION_S = 5.0
 """Seconds of traces the chain DP may always take after the MILP found a plan (with
 ``milp_first``): on models small enough for its traces to take less, it runs as well."""
 
-NATIVE_PLANS = ("keep_all", "keep_matmuls", "block")
-"""Fixed native plans: every block eager; every block keeping its matmul and attention
-outputs (torchtitan's selective-op policy); every block recomputed whole."""
+NATIVE_PLANS = ("keep_all", "keep_matmuls", "torchtitan_op", "block")
+"""Fixed native plans: every block eager; every block keeping the outputs of its ops with
+FLOPs (matmuls, convolutions, attention); torchtitan's op-SAC policy
+(:func:`torchtitan_op_keys`); every block recomputed whole."""
+
+FITTED_PLANS = ("keep_all", "keep_matmuls", "block")
+"""The fixed plans ``remat fit`` and :func:`remat.memory_formula` fit over shapes on the
+``sac`` executor (each costs a trace per shape)."""
+
+TORCHTITAN_SAVE_OPS = (
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "aten.max.default",
+    "aten.linear.default",
+    "aten.topk.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_to_all_single.default",
+)
+"""What torchtitan 0.3.0's op-SAC policy saves besides PyTorch's compute-intensive ops
+(``torchtitan/distributed/activation_checkpoint.py``, ``_get_default_save_ops``; its flex
+attention, compiled-code and expert-parallel entries are not ATen ops a CPU step runs)."""
+
+TORCHTITAN_MM_OPS = ("aten.mm.default", "aten.linear.default")
+"""The ops of which torchtitan's policy recomputes every second call in a region."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +206,28 @@ def matmul_keys(stream: Sequence[OpEvent]) -> frozenset[OpKey]:
     return keys | required_keys(stream)
 
 
+def torchtitan_op_keys(stream: Sequence[OpEvent]) -> frozenset[OpKey]:
+    """torchtitan 0.3.0's op-SAC policy on one region: the outputs of PyTorch's
+    compute-intensive ops and of :data:`TORCHTITAN_SAVE_OPS` are kept, except every second
+    ``mm``/``linear`` call of the region's forward (its count runs over both), and the ops
+    every policy keeps. Its policy also recomputes the MoE router's matmuls
+    (``force_recompute_mm_shapes_by_fqns``), which a dense model does not have, and it runs
+    without early stop; here the plan runs as remat runs every policy."""
+    save = tc.compute_intensive_ops() | frozenset(TORCHTITAN_SAVE_OPS)
+    keys = set(required_keys(stream))
+    mm_calls = 0
+    for e in stream:
+        if e.key is None:
+            continue
+        if e.op in TORCHTITAN_MM_OPS:
+            mm_calls += 1
+            if mm_calls % 2 == 0:
+                continue
+        if e.op in save and e.savable:
+            keys.add(e.key)
+    return frozenset(keys)
+
+
 def required_keys(stream: Sequence[OpEvent]) -> frozenset[OpKey]:
     """Ops every policy keeps: in-place writes to state the block does not own (BatchNorm's
     running statistics), which a recomputation would apply twice."""
@@ -277,6 +322,8 @@ def fixed_policies(problem: NativeProblem, name: str) -> tuple[Policy, ...]:
             policies.append(None)
         elif name == "block":
             policies.append(required_keys(stream))
+        elif name == "torchtitan_op":
+            policies.append(torchtitan_op_keys(stream))
         else:
             policies.append(matmul_keys(stream))
     return tuple(policies)
@@ -284,7 +331,10 @@ def fixed_policies(problem: NativeProblem, name: str) -> tuple[Policy, ...]:
 
 FIXED_REASONS = {
     "keep_all": "every block runs eagerly (no checkpoint)",
-    "keep_matmuls": "every block keeps its matmul and attention outputs",
+    "keep_matmuls": "every block keeps the outputs of its ops with FLOPs (matmuls, "
+    "convolutions, attention)",
+    "torchtitan_op": "torchtitan's op-SAC policy: every block keeps its compute-intensive ops' "
+    "outputs but every second matmul",
     "block": "every block recomputed whole (gradient_checkpointing_enable())",
 }
 
@@ -678,9 +728,16 @@ def planned(
     executor, within a few percent), solved again for a budget smaller by the excess. On a
     pipeline stage the dataflow is one microbatch's while the stage holds several at its
     peak (:func:`in_flight_at_peak`): a byte less saved per microbatch is that many less at
-    the peak, so the excess is divided by it. Where no round fits and every block
-    recomputed does, that plan is returned, marked heuristic, rather than a budget error
-    that a plan meets."""
+    the peak, so the excess is divided by it. Where no round fits, :class:`BudgetError`
+    states the least traced peak: a solver never returns another's plan under its name.
+    The names of :data:`NATIVE_PLANS` are those plans (``keep_all`` keeps all or fails)."""
+    if solver in NATIVE_PLANS:
+        chosen = fixed(problem, solver, tracer)
+        if budget_bytes is not None and chosen.trace.peak_bytes > budget_bytes:
+            raise BudgetError(
+                budget_bytes, chosen.trace.peak_bytes, f"native SAC, fixed plan {solver}"
+            )
+        return chosen
     sac = problem.dataflow
     candidates = executor_of(sac).candidates(sac)
     target = budget_bytes
@@ -713,15 +770,21 @@ def planned(
         if target < 0:  # the dataflow's peaks are far below the traced ones: give up
             break
     assert budget_bytes is not None
-    block = fixed(problem, "block", tracer)
-    if block.trace.peak_bytes <= budget_bytes:
-        return dataclasses.replace(
-            block,
-            reason=f"{solver}'s plans traced over the budget in {len(peaks)} rounds (the "
-            f"dataflow's peak is an approximation); {block.reason} fits",
+    # The solver's own least-peak plan, traced: it fits, or its peak is the least this
+    # solver reaches, a budget at which this function returns that plan.
+    least = registry.solve(
+        sac, solver=solver, budget_bytes=registry.least_peak(sac, solver, config), config=config
+    )
+    policies = policies_from_saved(problem, least.saved & candidates)
+    trace = tracer(policies)
+    if trace.peak_bytes <= budget_bytes:
+        names = (f"{solver} policy",) * len(policies)
+        reason = (
+            f"{least.reason}; its least-peak plan (plans solved for the budget traced over it "
+            f"in {len(peaks)} rounds); traced"
         )
-    least = min([block.trace.peak_bytes, *peaks])
-    raise BudgetError(budget_bytes, least, f"native SAC, solver {solver}")
+        return Solution(policies, trace, solver, reason, Proof.HEURISTIC, names)
+    raise BudgetError(budget_bytes, trace.peak_bytes, f"native SAC, solver {solver}")
 
 
 def _fit(
@@ -864,6 +927,7 @@ def _fmt(n: int) -> str:
 
 
 __all__ = [
+    "FITTED_PLANS",
     "NATIVE_PLANS",
     "NativeProblem",
     "Option",
