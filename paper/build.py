@@ -471,6 +471,38 @@ def parallel_table() -> str:
     return _table(header, out)
 
 
+def titan_table() -> str:
+    """torchtitan's Llama 3 and AC modes against remat.apply with the trainer's loss, at each
+    mode's measured allocator peak (experiments/torchtitan_duel.py)."""
+    if not (RESULTS / "torchtitan_duel.csv").exists():
+        return "(no run yet: experiments/torchtitan_duel.py)"
+    rows = {r["peer"]: r for r in _read("torchtitan_duel.csv")}
+
+    def cells(r: dict[str, str] | None) -> list[str]:
+        if r is None or not r.get("allocator_bytes"):
+            return ["no plan fits", "", "", "", ""]
+        predicted = _num(r.get("predicted_bytes"))
+        time_x = _num(r.get("time_x"))
+        return [
+            _fmt(_num(r["allocator_bytes"]) / MIB),  # type: ignore[operator]
+            "" if predicted is None else _fmt(predicted / MIB),
+            _fmt(_num(r["recompute_gflop"]), 3),
+            "-" if time_x is None else f"{time_x:.3f}x",
+            "yes" if r["bitwise"] == "True" else "**no**",
+        ]
+
+    out = []
+    for mode in ("none", "full", "op-sac"):
+        peer = rows.get(f"torchtitan {mode}")
+        if peer is not None:
+            out.append(
+                [mode, *cells(peer)[:1], *cells(peer)[2:], *cells(rows.get(f"remat @ {mode}"))]
+            )
+    header = ["torchtitan AC", "peak MiB", "GFLOP", "time x", "bitwise",
+              "remat peak MiB", "predicted", "GFLOP", "time x", "bitwise"]  # fmt: skip
+    return _table(header, out)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "compare": compare_table,
     "predicted": predicted_table,
@@ -487,6 +519,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "least_peaks": least_peaks_table,
     "regions": regions_table,
     "parallel": parallel_table,
+    "titan": titan_table,
 }
 MARK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

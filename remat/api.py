@@ -29,7 +29,7 @@ from remat.request import (
 from remat.rewrite.executor import build_executor
 from remat.rewrite.module import Compiled, RematModule, signature
 from remat.solver.formula import FitError
-from remat.solver.plan import Plan
+from remat.solver.plan import STEP_WITHOUT_LOSS, Plan
 
 __all__ = ["optimize"]
 
@@ -159,6 +159,7 @@ class _GraphPlanner:
             )
 
     def compiled(self, analysis: Analysis, chosen: Plan, solve_s: float) -> Compiled:
+        chosen = dataclasses.replace(chosen, step=STEP_WITHOUT_LOSS)
         if self.device is not None:
             chosen = dataclasses.replace(chosen, device_memory=self.device.breakdown(chosen))
         t_rewrite = time.perf_counter()
