@@ -46,6 +46,7 @@ from remat.budget import (
 )
 from remat.fit import FitReport, fit
 from remat.graph.profiles import PROFILE_NAMES, get_profile
+from remat.meter import Loss
 from remat.models import TinyGPT
 from remat.native.api import NATIVE_SOLVERS, apply, kv_cache_off, save_plan
 from remat.native.api import analyze as native_analyze
@@ -253,11 +254,16 @@ def plan_command(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
+        executor = executor_of(args, built)
+        if args.pp_size > 1 and built.loss_fn is not None:
+            raise ValueError(
+                "a pipeline's loss is its last stage's (remat.Pipeline(loss_fn=...)): the "
+                "factory's loss_fn is not planned with --pp-size"
+            )
     except ValueError as e:
         console.print(f"[red]remat plan: {e}")
         return 2
     n = sum(p.numel() for p in built.model.parameters())
-    executor = executor_of(args)
     if args.pp_size > 1:
         return _plan_pipeline(args, built, executor, console)
     tp = ""
@@ -281,7 +287,13 @@ def plan_command(args: argparse.Namespace) -> int:
         try:
             req = _request(args, lambda msg: progress.update(f"planning: {msg}"))
             if executor == "sac":
-                model = apply(built.model, built.args, example_kwargs=built.kwargs, request=req)
+                model = apply(
+                    built.model,
+                    built.args,
+                    example_kwargs=built.kwargs,
+                    request=req,
+                    **built.loss(),
+                )
                 timings = applied(model).timings
             else:
                 fast = optimize(built.model, built.args, example_kwargs=built.kwargs, request=req)
@@ -438,14 +450,21 @@ def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor:
     )
 
 
-def executor_of(args: argparse.Namespace) -> str:
+def executor_of(args: argparse.Namespace, built: Built | None = None) -> str:
     """``--executor auto``: ``sac`` where the run is sharded or replicated (ZeRO-3 over several
-    ranks is FSDP2, data parallel is DDP: engines only the ``sac`` executor runs under),
-    ``graph`` on one device."""
+    ranks is FSDP2, data parallel is DDP: engines only the ``sac`` executor runs under) or
+    where a factory gives a loss outside the model (``remat.apply`` plans it), ``graph`` on
+    one device."""
+    loss = built is not None and built.loss_fn is not None
     if args.executor != "auto":
+        if args.executor == "graph" and loss:
+            raise ValueError(
+                f"{args.model} gives a loss outside the model (loss_fn, target), which "
+                "remat.apply's executor plans: use --executor sac (or auto)"
+            )
         return str(args.executor)
     parallel = getattr(args, "tp_size", 1) > 1 or getattr(args, "pp_size", 1) > 1
-    return "sac" if args.world_size > 1 or parallel else "graph"
+    return "sac" if args.world_size > 1 or parallel or loss else "graph"
 
 
 def _request(args: argparse.Namespace, progress: Callable[[str], None]) -> Request:
@@ -482,7 +501,11 @@ def compare_command(args: argparse.Namespace) -> int:
         return 2
     config = SolverConfig(time_limit_s=args.time_limit, floor_time_s=args.floor_time)
     static = model_static_memory(built.model, options)
-    executor = executor_of(args)
+    try:
+        executor = executor_of(args, built)
+    except ValueError as e:
+        console.print(f"[red]remat compare: {e}")
+        return 2
     console.print(f"executor: {EXECUTORS[executor]}")
     with console.status("analysing..."):
         try:
@@ -639,9 +662,10 @@ class _NativeSide:
         profile = get_profile(resolve_profile(model, args.device))
         blocks = find_blocks(model)
         self.args, self.kwargs = as_args(built.args), dict(built.kwargs)
+        loss = Loss(built.loss_fn, built.target) if built.loss_fn is not None else None
         with kv_cache_off(model):
             self.traced, self.problem = native_analyze(
-                model, blocks, self.args, self.kwargs, req, profile
+                model, blocks, self.args, self.kwargs, req, profile, loss=loss
             )
         self.model = model
         self.solvers = [*(f"plan:{n}" for n in NATIVE_PLANS), "auto", *NATIVE_SOLVERS]
@@ -722,6 +746,11 @@ def fit_command(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
+        if built.loss_fn is not None:
+            raise ValueError(
+                f"{args.model} gives a loss outside the model (loss_fn, target): remat fit "
+                "does not plan it yet; remat plan and remat compare do (--executor sac)"
+            )
         executor = executor_of(args)
         if args.pp_size > 1:
             return _fit_pipeline(args, built, executor, console, err)

@@ -3,7 +3,8 @@
 No weights are downloaded: a preset is a config, built under ``remat.fake_mode()`` so that a
 70B shape costs no memory. ``hf:NAME`` builds any architecture transformers knows by its
 ``model_type`` (``hf:mistral``, ``hf:qwen2``, ...), ``pkg.module:factory`` calls a function
-returning ``(model, example_inputs)`` or ``(model, example_inputs, example_kwargs)``.
+returning ``(model, example_inputs)``, ``(model, example_inputs, example_kwargs)`` or, for a
+loss computed outside the model, ``(model, example_inputs, loss_fn, target)``.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ class Built:
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
     description: str
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    """The training loop's loss, ``loss_fn(output, target)``, where a factory gives one."""
+    target: Any = None
+
+    def loss(self) -> dict[str, Any]:
+        """``loss_fn=``/``target=`` for :func:`remat.apply`, where the factory gave a loss."""
+        return {} if self.loss_fn is None else {"loss_fn": self.loss_fn, "target": self.target}
 
 
 def parse_settings(items: list[str]) -> dict[str, Any]:
@@ -204,9 +212,18 @@ def _factory(spec: str, settings: Mapping[str, Any], fake: bool) -> Built:
         raise ValueError(f"cannot load factory {spec!r}: {e}") from None
     with fake_mode() if fake else contextlib.nullcontext():
         out = fn(**settings)
-    if not isinstance(out, tuple) or len(out) not in (2, 3):
-        raise ValueError(f"{spec} must return (model, example_inputs[, example_kwargs])")
+    if (
+        not isinstance(out, tuple)
+        or len(out) not in (2, 3, 4)
+        or (len(out) == 4 and not callable(out[2]))
+    ):
+        raise ValueError(
+            f"{spec} must return (model, example_inputs[, example_kwargs]) or (model, "
+            "example_inputs, loss_fn, target)"
+        )
     model, args = out[0], out[1]
     args = args if isinstance(args, tuple) else (args,)
+    if len(out) == 4:
+        return Built(model, args, {}, spec, loss_fn=out[2], target=out[3])
     kwargs = out[2] if len(out) == 3 else {}
     return Built(model, args, kwargs, spec)

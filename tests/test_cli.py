@@ -187,3 +187,17 @@ def test_floor_time_reaches_the_solvers() -> None:
     assert _request(args, print).solver_config().floor_time_s == 7.0
     with pytest.raises(SystemExit):
         main(["fit", "gpt2", "--floor-time", "7"])  # fit plans no floor: not an option there
+
+
+def test_a_factory_with_its_loss_is_planned_on_the_sac_executor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A factory returning ``(model, inputs, loss_fn, target)``: ``auto`` picks the executor
+    that plans the loss, the report says the step covers it, and ``graph`` is refused."""
+    code = main(["plan", "tests.zoo:titan_factory", "--budget-gb", "0.01", "--time-limit", "5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "executor: PyTorch's selective checkpointing" in out
+    assert "with its loss (loss_fn)" in out
+    code = main(["plan", "tests.zoo:titan_factory", "--executor", "graph", "--budget-gb", "0.01"])
+    assert code == 2 and "use --executor sac" in capsys.readouterr().out

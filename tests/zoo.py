@@ -315,3 +315,15 @@ def titan_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum"
     )
     return loss / labels.numel()
+
+
+def titan_factory() -> tuple[nn.Module, tuple[Any, ...], Any, torch.Tensor]:
+    """``remat plan tests.zoo:titan_factory``: torchtitan's layout with its loss outside the
+    model, as ``(model, inputs, loss_fn, target)``."""
+    torch.manual_seed(0)
+    return (
+        TitanLM(vocab=128, dim=64, heads=4, layers=3),
+        (torch.randint(0, 128, (2, 32)),),
+        titan_loss,
+        torch.randint(0, 128, (2, 32)),
+    )
