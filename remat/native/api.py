@@ -755,7 +755,14 @@ def save_plan(model: nn.Module, path: str | Path) -> Path:
     """Write ``model``'s plan (from :func:`apply`) as JSON, with a fingerprint of its blocks'
     op streams, for ``remat.apply(model, inputs, plan=path)`` to re-apply without solving."""
     state = applied(model)
-    graph = {"executor": NATIVE, "blocks": list(state.blocks), **state.describe}
+    graph: dict[str, Any] = {"executor": NATIVE, "blocks": list(state.blocks), **state.describe}
+    replayed = [
+        p
+        for p, policy in zip(state.blocks, state.policies, strict=True)
+        if isinstance(policy, regions.FullReplay)
+    ]
+    if replayed:  # regions replayed whole (torchtitan_op): the file runs them so again
+        graph["full_replay"] = replayed
     return write_document(document(state.plan, state.fingerprint, graph), path)
 
 
@@ -776,6 +783,11 @@ def _from_file(
         policies = planner.policies_from_saved(problem, f.saved)
     except ValueError as e:
         raise PlanFileError(f"plan file {path}: {e}") from None
+    replayed = set(f.record["graph"].get("full_replay", ()))
+    policies = tuple(
+        regions.FullReplay(policy) if path in replayed and policy is not None else policy
+        for path, policy in zip(problem.blocks, policies, strict=True)
+    )
     return planner.Solution(
         policies,
         tracer(policies),

@@ -54,7 +54,7 @@ from remat import _torch_compat as tc
 from remat.graph.profiles import DeviceProfile
 from remat.native.dataflow import problem_of
 from remat.native.pipelining import ScheduleTrace
-from remat.native.regions import OpKey, Policy
+from remat.native.regions import FullReplay, OpKey, Policy
 from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.problem import Problem
@@ -211,8 +211,8 @@ def torchtitan_op_keys(stream: Sequence[OpEvent]) -> frozenset[OpKey]:
     compute-intensive ops and of :data:`TORCHTITAN_SAVE_OPS` are kept, except every second
     ``mm``/``linear`` call of the region's forward (its count runs over both), and the ops
     every policy keeps. Its policy also recomputes the MoE router's matmuls
-    (``force_recompute_mm_shapes_by_fqns``), which a dense model does not have, and it runs
-    without early stop; here the plan runs as remat runs every policy."""
+    (``force_recompute_mm_shapes_by_fqns``), which a dense model does not have. The fixed
+    plan runs it without early stop, as torchtitan does (:class:`FullReplay`)."""
     save = tc.compute_intensive_ops() | frozenset(TORCHTITAN_SAVE_OPS)
     keys = set(required_keys(stream))
     mm_calls = 0
@@ -322,8 +322,8 @@ def fixed_policies(problem: NativeProblem, name: str) -> tuple[Policy, ...]:
             policies.append(None)
         elif name == "block":
             policies.append(required_keys(stream))
-        elif name == "torchtitan_op":
-            policies.append(torchtitan_op_keys(stream))
+        elif name == "torchtitan_op":  # replayed whole, as torchtitan's wrapper runs it
+            policies.append(FullReplay(torchtitan_op_keys(stream)))
         else:
             policies.append(matmul_keys(stream))
     return tuple(policies)

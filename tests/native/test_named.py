@@ -5,11 +5,13 @@ plans their names say, and ``torchtitan_op`` is torchtitan's op-SAC policy."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 import remat
+from remat.native.regions import FullReplay
 from remat.native.state import applied
 from tests.checks import assert_trains_like_eager
 from tests.zoo import TitanLM
@@ -44,11 +46,20 @@ def test_block_is_every_block_recomputed() -> None:
     assert all(p == frozenset() for p in state.policies)
 
 
-def test_torchtitan_op_keeps_every_other_matmul_and_trains_bitwise() -> None:
+def test_torchtitan_op_keeps_every_other_matmul_and_trains_bitwise(tmp_path: Path) -> None:
     """torchtitan 0.3.0's policy on a block of its layout: seven matmuls (q, k, v, o and the
-    three of the SwiGLU), every second recomputed; CPU attention is not on its list."""
+    three of the SwiGLU), every second recomputed; CPU attention is not on its list. Its
+    regions replay their whole forward, as torchtitan's wrapper runs them, and a plan file
+    keeps that."""
     model, tokens = _model()
     result = assert_trains_like_eager(model, (tokens,), {}, native=True, plan="torchtitan_op")
     state = applied(result.module)
     assert state.blocks[:3] == ("layers.0", "layers.1", "layers.2")
     assert state.policies[0] == frozenset(("aten.mm.default", k) for k in (0, 2, 4, 6))
+    assert all(isinstance(p, FullReplay) for p in state.policies)
+    path = remat.save_plan(result.module, tmp_path / "plan.json")
+    again, _ = _model()
+    remat.apply(again, tokens, plan=str(path))
+    assert applied(again).policies == state.policies
+    assert all(isinstance(p, FullReplay) for p in applied(again).policies)
+    assert remat.plan_of(again).predicted_peak_bytes == result.plan.predicted_peak_bytes
