@@ -5,6 +5,7 @@ several containers hold them."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from remat.meter import Loss, measure_step
 from remat.native.regions import BlockError, block_candidates, find_blocks
 from remat.solver.plan import STEP_WITHOUT_LOSS
 from tests.checks import assert_trains_like_eager
-from tests.zoo import TitanBlock, TitanLM, titan_loss
+from tests.zoo import NATIVE_ZOO, TitanBlock, TitanLM, titan_loss
 
 
 def _titan() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -159,3 +160,34 @@ def test_optimize_points_a_loss_outside_the_model_to_apply() -> None:
     assert remat.optimize(model, tokens, plan="keep_all").plan.step == STEP_WITHOUT_LOSS
     with pytest.raises(ValueError, match=r"remat.apply\(model, inputs, loss_fn"):
         remat.optimize(model, tokens, loss_fn=titan_loss, target=labels)  # type: ignore[call-arg]
+
+
+def _next_token_loss(logits: Any, ids: torch.Tensor) -> torch.Tensor:
+    """A causal LM's loop loss from the logits it returns (a tensor or a ModelOutput)."""
+    logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "hf_llama_gqa"])
+def test_zoo_decoders_with_a_loop_loss_and_dropout(name: str) -> None:
+    """Dropout on, the loss the loop computes: halfway between every block recomputed and
+    no checkpointing, bitwise over 3 AdamW steps, peaks as predicted, within the budget."""
+    case = next(c for c in NATIVE_ZOO if c.name == name)
+    torch.manual_seed(0)
+    model = case.build()
+    (ids,) = case.inputs()
+    eager = measure_step(
+        copy.deepcopy(model), (ids,), allocator=True, loss=Loss(_next_token_loss, ids)
+    ).allocator_peak_bytes
+    assert eager is not None
+    block = remat.apply(
+        copy.deepcopy(model), ids, loss_fn=_next_token_loss, target=ids, plan="block"
+    )
+    budget = (remat.plan_of(block).predicted_peak_bytes + eager) // 2
+    result = assert_trains_like_eager(
+        model, (ids,), {}, native=True, loss_fn=_next_token_loss, target=ids,
+        activation_budget_bytes=budget, time_limit_s=10,
+    )  # fmt: skip
+    assert result.plan.recompute_flops > 0
+    for step in result.steps:
+        assert step.measured_peak_bytes <= budget
