@@ -283,18 +283,26 @@ def _least_peak_blocks(
     nested stack (Swin's stages or their layers) lets a plan go lowest depends on the model,
     so each is traced once, as it would be planned."""
     progress = req.progress or (lambda _: None)
-    peaks = []
+    peaks: list[int] = []
+    failed: list[TraceError] = []
     for blocks in candidates:
-        traced, problem = analyze(model, blocks, args, kwargs, req, profile, loss=loss)
-        policies = planner.fixed_policies(problem, "block")
-        peaks.append(traced.trace(args, kwargs, policies).peak_bytes)
-        progress(
-            f"native: {len(blocks)} blocks from {regions.describe_blocks(blocks)}: least peak "
-            f"{peaks[-1]:,} B (every block recomputed)"
-        )
-    best = min(range(len(candidates)), key=lambda k: (peaks[k], -k))
+        where = f"{len(blocks)} blocks from {regions.describe_blocks(blocks)}"
+        try:
+            traced, problem = analyze(model, blocks, args, kwargs, req, profile, loss=loss)
+            policies = planner.fixed_policies(problem, "block")
+            peaks.append(traced.trace(args, kwargs, policies).peak_bytes)
+        except TraceError as e:  # e.g. experts the example's routing never calls
+            progress(f"native: {where} cannot be the regions ({e})")
+            failed.append(e)
+            peaks.append(-1)
+            continue
+        progress(f"native: {where}: least peak {peaks[-1]:,} B (every block recomputed)")
+    if len(failed) == len(candidates):
+        raise failed[0]
+    best = min((k for k in range(len(candidates)) if peaks[k] >= 0), key=lambda k: (peaks[k], -k))
     others = ", ".join(
-        f"{len(c)} from {regions.describe_blocks(c)}: {p:,} B"
+        f"{len(c)} from {regions.describe_blocks(c)}: "
+        + (f"{p:,} B" if p >= 0 else "not all called")
         for k, (c, p) in enumerate(zip(candidates, peaks, strict=True))
         if k != best
     )

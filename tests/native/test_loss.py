@@ -191,3 +191,32 @@ def test_zoo_decoders_with_a_loop_loss_and_dropout(name: str) -> None:
     assert result.plan.recompute_flops > 0
     for step in result.steps:
         assert step.measured_peak_bytes <= budget
+
+
+class _Routed(nn.Module):
+    """A layer with a list of experts of which the example's routing calls one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.experts[0](x).relu()
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Routed() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_level_of_blocks_the_step_does_not_all_call_is_not_chosen() -> None:
+    model = _Experts()
+    remat.apply(model, torch.randn(4, 32), plan="block")
+    assert remat.native.state.applied(model).blocks == ("layers.0", "layers.1")
+    assert "not all called" in remat.plan_of(model).reason
