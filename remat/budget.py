@@ -257,6 +257,37 @@ def _what_would_fit(plan: DeviceBudget) -> list[str]:
     return hints
 
 
+AUTOCAST_PRECISIONS = ("bf16-mixed", "fp16-mixed")
+"""The precisions a step trains in under ``torch.autocast``."""
+
+
+def autocast_cache_hint(options: Options) -> str | None:
+    """Why a ``sac`` plan under autocast and FSDP2 fits no budget, and what needs less, or None
+    where that cause does not apply. ``torch.autocast``'s cast cache (``cache_enabled=True``,
+    its default) keeps the 16-bit cast of every leaf parameter that requires grad until the
+    autocast region exits; FSDP2's gathered parameters are such leaves, so every block's
+    16-bit weights stay on the device to the end of the forward however little a plan saves
+    (about 2 B per parameter of the whole model: 13.5 GB for Llama 2 7B, on top of the
+    activations). Turning the cache off gives the same values; FSDP2's own mixed precision
+    gathers 16-bit weights per block and frees them after it."""
+    if not (
+        options.precision in AUTOCAST_PRECISIONS
+        and options.zero_stage == 3
+        and options.world_size > 1
+    ):
+        return None
+    return (
+        f"Under {options.precision} with FSDP2 (ZeRO-3), torch.autocast's cast cache keeps the "
+        "16-bit copy of every weight FSDP2 gathers until the forward ends, whatever the plan "
+        "saves (the step was traced so). What needs less: FSDP2's MixedPrecisionPolicy "
+        f"instead of autocast, precision={FSDP_MIXED!r} (remat plan --precision "
+        f"{FSDP_MIXED}), which gathers 16-bit weights per block and frees them after it; or "
+        "torch.autocast(..., cache_enabled=False) in the training loop, the same values "
+        "without the copies (remat traces autocast's default, so its peak overstates that "
+        "loop's)"
+    )
+
+
 def format_bytes(n: float) -> str:
     """Decimal units, as device memory is quoted (an 80 GB H100 holds 80e9 bytes)."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

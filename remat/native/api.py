@@ -23,7 +23,7 @@ from typing_extensions import Unpack
 
 from remat import _torch_compat as tc
 from remat._torch_compat import is_fake
-from remat.budget import PRECISIONS
+from remat.budget import PRECISIONS, autocast_cache_hint
 from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
@@ -184,6 +184,9 @@ def apply(
     except BudgetError as e:
         _restore_kv_cache(model, use_cache)
         if pipeline is None:
+            hint = autocast_cache_hint(options)
+            if hint is not None:
+                e.add_hint(hint)
             raise
         raise BudgetError(
             e.budget_bytes,

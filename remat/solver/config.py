@@ -20,12 +20,20 @@ class BudgetError(ValueError):
         self.budget_bytes = budget_bytes
         self.least_peak_bytes = least_peak_bytes
         self.achievable = achievable
+        self.hints: tuple[str, ...] = ()
         what = "the least feasible peak" if achievable else "a lower bound on every plan's peak"
         super().__init__(
             f"activation budget {budget_bytes:,} B ({budget_bytes / 2**30:.3f} GiB) is below "
             f"{what}, {least_peak_bytes:,} B ({least_peak_bytes / 2**30:.3f} GiB)"
             + (f" ({detail})" if detail else "")
         )
+
+    def add_hint(self, hint: str) -> None:
+        """Append ``hint`` (what would make a plan fit) to the message: the caller that
+        catches this knows the training setup behind the least peak, the solver that raised
+        it does not."""
+        self.hints += (hint,)
+        self.args = (f"{self.args[0]}. {hint}",)
 
 
 @dataclass(frozen=True, kw_only=True)
