@@ -262,14 +262,14 @@ AUTOCAST_PRECISIONS = ("bf16-mixed", "fp16-mixed")
 
 
 def autocast_cache_hint(options: Options) -> str | None:
-    """Why a ``sac`` plan under autocast and FSDP2 fits no budget, and what needs less, or None
-    where that cause does not apply. ``torch.autocast``'s cast cache (``cache_enabled=True``,
-    its default) keeps the 16-bit cast of every leaf parameter that requires grad until the
-    autocast region exits; FSDP2's gathered parameters are such leaves, so every block's
-    16-bit weights stay on the device to the end of the forward however little a plan saves
-    (about 2 B per parameter of the whole model: 13.5 GB for Llama 2 7B, on top of the
-    activations). Turning the cache off gives the same values; FSDP2's own mixed precision
-    gathers 16-bit weights per block and frees them after it."""
+    """Why a ``sac`` plan under autocast and FSDP2 needs more than FSDP2's own mixed
+    precision, and what needs less, or None where that does not apply. FSDP2 gathers each
+    block's fp32 weights and autocast casts them at every use; remat turns autocast's cast
+    cache off inside its checkpointed regions (:mod:`remat.native.regions`), but outside
+    them (blocks left without checkpoint, the embeddings, the head) the cache keeps every
+    16-bit copy of a gathered weight until the forward ends (about 2 B per parameter: 13.5
+    GB for Llama 2 7B with the cache on everywhere). FSDP2's own mixed precision gathers
+    16-bit weights per block and frees them after it."""
     if not (
         options.precision in AUTOCAST_PRECISIONS
         and options.zero_stage == 3
@@ -277,14 +277,14 @@ def autocast_cache_hint(options: Options) -> str | None:
     ):
         return None
     return (
-        f"Under {options.precision} with FSDP2 (ZeRO-3), torch.autocast's cast cache keeps the "
-        "16-bit copy of every weight FSDP2 gathers until the forward ends, whatever the plan "
-        "saves (the step was traced so). What needs less: FSDP2's MixedPrecisionPolicy "
+        f"Under {options.precision} with FSDP2 (ZeRO-3), FSDP2 gathers each block's fp32 "
+        "weights and torch.autocast casts them at every use; remat turns autocast's cast "
+        "cache off inside its checkpointed regions, but outside them the cache keeps every "
+        "16-bit copy until the forward ends. What needs less: FSDP2's MixedPrecisionPolicy "
         f"instead of autocast, precision={FSDP_MIXED!r} (remat plan --precision "
         f"{FSDP_MIXED}), which gathers 16-bit weights per block and frees them after it; or "
         "torch.autocast(..., cache_enabled=False) in the training loop, the same values "
-        "without the copies (remat traces autocast's default, so its peak overstates that "
-        "loop's)"
+        "(remat traces autocast's default, so its peak then overstates that loop's)"
     )
 
 

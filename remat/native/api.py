@@ -201,6 +201,15 @@ def apply(
     chosen = replace(planner.to_plan(problem, solution), step=step_planned(loss, pipeline))
     if chose:
         chosen = replace(chosen, reason=f"{chose}; {chosen.reason}")
+    if AUTOCAST.get(options.precision) is not None and any(
+        p is not None for p in solution.policies
+    ):
+        chosen = replace(
+            chosen,
+            reason=f"{chosen.reason}; autocast's cast cache is off inside the checkpointed "
+            "regions (the same values; each 16-bit weight copy dies with its region, not at "
+            "the forward's end)",
+        )
     if device is not None:
         chosen = replace(chosen, device_memory=device.breakdown(chosen))
 
