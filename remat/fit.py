@@ -29,7 +29,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from remat import _torch_compat as tc
-from remat.budget import FSDP_MIXED, DeviceBudget
+from remat.budget import DeviceBudget, autocast_cache_hint
 from remat.formula import (
     MemoryFormula,
     RangeFormula,
@@ -122,22 +122,15 @@ class FitReport:
 
     def hints(self) -> list[str]:
         """What to try where a plan fits nothing: under autocast (``bf16-mixed`` /
-        ``fp16-mixed``) with ZeRO-3 on the ``sac`` executor, PyTorch's autocast keeps the
-        16-bit cast of each weight it gathered until the forward ends (its cast cache), so
-        every block's whole weights stay on the device however little the plan saves; FSDP2's
-        own mixed precision (``bf16-fsdp``) gathers 16-bit weights per block and frees them."""
+        ``fp16-mixed``) with ZeRO-3 on the ``sac`` executor, FSDP2's own mixed precision
+        (``bf16-fsdp``) gathers 16-bit weights per block
+        (:func:`remat.budget.autocast_cache_hint`)."""
         opts = self.budget.options
         none_fits = any(r.max_seq is None or r.max_batch is None for r in self.plans.values())
-        autocast = opts.precision in ("bf16-mixed", "fp16-mixed")
-        sharded = opts.zero_stage == 3 and opts.world_size > 1
-        if not (none_fits and autocast and sharded and self.formula.plan.startswith("native:")):
+        hint = autocast_cache_hint(opts)
+        if not (none_fits and hint is not None and self.formula.plan.startswith("native:")):
             return []
-        return [
-            f"{opts.precision} under ZeRO-3: autocast keeps the 16-bit copy of every weight FSDP2 "
-            "gathers until the forward ends (PyTorch's autocast cache), whatever the plan "
-            f"saves; --precision {FSDP_MIXED} (FSDP2's MixedPrecisionPolicy) gathers bf16 "
-            "weights per block and frees them after it"
-        ]
+        return [hint]
 
     def to_json(self) -> dict[str, Any]:
         return {
