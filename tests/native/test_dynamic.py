@@ -73,7 +73,7 @@ def test_formula_bad_input() -> None:
     model = _model()
     with pytest.raises(ValueError, match="valid: graph, sac"):
         remat.memory_formula(model, (_tokens(2, 16),), executor="fsdp")
-    with pytest.raises(ValueError, match="keep_all, keep_matmuls, block"):
+    with pytest.raises(ValueError, match="keep_all, keep_matmuls, torchtitan_op, block"):
         remat.memory_formula(model, (_tokens(2, 16),), executor="sac", plan="megatron")
 
 
