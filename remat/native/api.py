@@ -104,8 +104,10 @@ def apply(
     PyTorch's checkpoint executor (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``,
     ``chen_greedy``, ...: see
     :mod:`remat.solver.executor`), its plan traced and re-solved for less while over budget.
-    ``block_types``: class names or path patterns of the blocks (default: the children of the
-    largest ModuleList).
+    ``block_types``: class names (a base class names its subclasses) or path patterns of the
+    blocks (default: the repeated children of ModuleLists and ModuleDicts; where they nest,
+    the level whose every block recomputed traces the least peak:
+    :func:`remat.native.regions.block_candidates`).
 
     Every plan's peak is measured by running the step, wrapped as it will train, on a
     FakeTensor copy of the model (no memory, any size), under the live-storage meter that
