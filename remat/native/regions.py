@@ -353,9 +353,18 @@ class KeyPolicy:
     ) -> CheckpointPolicy:
         k = self.counts[op]
         self.counts[op] = k + 1
-        if (str(op), k) in self.saved or getattr(op, "namespace", None) in COLLECTIVES:
+        name, collective = _op_facts(op)
+        if collective or (name, k) in self.saved:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _op_facts(op: Any) -> tuple[str, bool]:
+    """An op's key name and whether it is a collective, worked out once per op: the policy
+    runs on every op of every region's forward, and ``str(op)`` builds its name anew each
+    time."""
+    return str(op), getattr(op, "namespace", None) in COLLECTIVES
 
 
 def policy_contexts(saved: frozenset[OpKey]) -> tuple[Any, Any]:
