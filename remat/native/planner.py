@@ -728,8 +728,9 @@ def planned(
     executor, within a few percent), solved again for a budget smaller by the excess. On a
     pipeline stage the dataflow is one microbatch's while the stage holds several at its
     peak (:func:`in_flight_at_peak`): a byte less saved per microbatch is that many less at
-    the peak, so the excess is divided by it. Where no round fits, :class:`BudgetError`
-    states the least traced peak: a solver never returns another's plan under its name.
+    the peak, so the excess is divided by it. Where no round fits, the solver's least-peak
+    plan is traced: returned if it fits, else :class:`BudgetError` states its traced peak (a
+    budget this function then meets); a solver never returns another's plan under its name.
     The names of :data:`NATIVE_PLANS` are those plans (``keep_all`` keeps all or fails)."""
     if solver in NATIVE_PLANS:
         chosen = fixed(problem, solver, tracer)
