@@ -8,6 +8,7 @@ torch upgrade should only ever have to touch this file. Tested against torch 2.1
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -227,10 +228,11 @@ their argument's storage when they run (the wait; the wrapper of a pending resul
 copy on FakeTensors."""
 
 
+@functools.cache
 def compute_intensive_ops() -> frozenset[str]:
     """The ATen overloads (``aten.mm.default``, ...) PyTorch's partitioner deems compute
     intensive (``get_default_op_list().compute_intensive_ops``), which torchtitan's op-SAC
-    policy saves."""
+    policy saves. Worked out once: a plan asks it for every region."""
     from torch._functorch.partitioners import get_default_op_list
 
     ops = get_default_op_list().compute_intensive_ops

@@ -662,7 +662,7 @@ class _NativeSide:
         profile = get_profile(resolve_profile(model, args.device))
         blocks = find_blocks(model)
         self.args, self.kwargs = as_args(built.args), dict(built.kwargs)
-        loss = Loss(built.loss_fn, built.target) if built.loss_fn is not None else None
+        loss = Loss.of(built.loss_fn, built.target)
         with kv_cache_off(model):
             self.traced, self.problem = native_analyze(
                 model, blocks, self.args, self.kwargs, req, profile, loss=loss

@@ -184,6 +184,11 @@ class Loss:
     fn: Callable[[Any, Any], torch.Tensor]
     target: Any = None
 
+    @classmethod
+    def of(cls, fn: Callable[[Any, Any], torch.Tensor] | None, target: Any) -> Loss | None:
+        """The front doors' ``loss_fn=``/``target=`` as a loss, or None without ``loss_fn``."""
+        return None if fn is None else cls(fn, target)
+
     def __call__(self, output: Any) -> torch.Tensor:
         value = self.fn(output, self.target)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:

@@ -116,7 +116,7 @@ def verify(
         )
     autocast = AUTOCAST[precision]
     ref, work = copy.deepcopy(model), copy.deepcopy(model)
-    loss = Loss(loss_fn, target) if loss_fn is not None else None
+    loss = Loss.of(loss_fn, target)
     if loss is not None:
         optimize_kwargs = {**optimize_kwargs, "loss_fn": loss_fn, "target": target}
     fast: nn.Module

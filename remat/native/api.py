@@ -162,7 +162,7 @@ def apply(
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     if req.max_seq is not None:
         args, kwargs, target = _at_longest(args, kwargs, target, req.max_seq)
-    loss = Loss(loss_fn, target) if loss_fn is not None else None
+    loss = Loss.of(loss_fn, target)
     device = req.device(model)
     profile = get_profile(resolve_profile(model, req.device_profile))
     options = req.training
