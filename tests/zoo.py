@@ -327,3 +327,16 @@ def titan_factory() -> tuple[nn.Module, tuple[Any, ...], Any, torch.Tensor]:
         titan_loss,
         torch.randint(0, 128, (2, 32)),
     )
+
+
+class StraightThrough(torch.autograd.Function):
+    """Round forward, identity backward (a straight-through estimator): its gradient is not
+    its forward ops' (``round``'s is zero), so only its own backward trains right."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad

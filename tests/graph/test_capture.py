@@ -15,6 +15,7 @@ from remat.graph.problem import build_problem
 from remat.pipeline import fixed_plan
 from remat.rewrite.executor import build_executor
 from remat.rewrite.module import Compiled, RematModule, signature
+from tests.zoo import StraightThrough
 
 
 class DictOut(nn.Module):
@@ -207,18 +208,6 @@ class Wrapped(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner(ids).logits
-
-
-class StraightThrough(torch.autograd.Function):
-    """Round forward, identity backward: its gradient is not the forward ops' (zero)."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class Quantized(nn.Module):

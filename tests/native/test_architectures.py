@@ -14,6 +14,7 @@ from torch import nn
 
 import remat
 from tests.checks import assert_trains_like_eager
+from tests.zoo import StraightThrough
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,23 +66,13 @@ def test_bloom_runs_its_custom_autograd_function_backward() -> None:
     assert_trains_like_eager(model, (torch.randint(0, 64, (2, 16)),), {}, native=True, plan="block")
 
 
-class _StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 class _QuantBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.lin(_StraightThrough.apply(torch.tanh(self.lin(x))))
+        return x + self.lin(StraightThrough.apply(torch.tanh(self.lin(x))))
 
 
 class _Quantized(nn.Module):

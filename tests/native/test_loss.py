@@ -188,7 +188,7 @@ def test_zoo_decoders_with_a_loop_loss_and_dropout(name: str) -> None:
         model, (ids,), {}, native=True, loss_fn=_next_token_loss, target=ids,
         activation_budget_bytes=budget, time_limit_s=10,
     )  # fmt: skip
-    assert result.plan.recompute_time_s > 0  # pointwise recompute counts no FLOPs
+    assert result.plan.recomputed  # some ops recomputed (pointwise ones count no FLOPs)
     for step in result.steps:
         assert step.measured_peak_bytes <= budget
 
