@@ -32,7 +32,6 @@ Writes ``experiments/results/torchtitan_duel.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import sys
 import types
@@ -50,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import remat  # noqa: E402
 from experiments import peers  # noqa: E402
+from experiments.rows import save  # noqa: E402
 from remat.meter import Loss, measure_step  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "torchtitan_duel.csv"
 TRITON_MODULE = "torchtitan.distributed.minimal_async_ep.kernels"
 
 
@@ -224,16 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--time-limit", type=float, default=60.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     opts = parser.parse_args(argv)
-    rows = run(opts.seq, opts.batch, opts.reps, opts.time_limit)
-    show(Console(width=160), rows)
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    fields = sorted({k for r in rows for k in r})
-    with open(opts.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    found = run(opts.seq, opts.batch, opts.reps, opts.time_limit)
+    show(Console(width=160), found)
+    save(found, "torchtitan_duel.csv")  # the first row has every column
 
 
 if __name__ == "__main__":
