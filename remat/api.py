@@ -5,16 +5,19 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from typing_extensions import Unpack
 
 from remat.budget import FSDP_MIXED
 from remat.graph.autocast import AUTOCAST
-from remat.graph.dynamic import capture_dynamic, sequence_dims
+from remat.graph.dynamic import Dims, capture_dynamic, inputs_at, sequence_dims
+from remat.graph.loss import module_schedule
 from remat.lengths import LengthPlans, PlanningEvent, bucket_tops
+from remat.meter import Loss
 from remat.pipeline import Analysis, analyze, choose_plan
 from remat.problem import Problem
 from remat.request import (
@@ -29,7 +32,7 @@ from remat.request import (
 from remat.rewrite.executor import build_executor
 from remat.rewrite.module import Compiled, RematModule, signature
 from remat.solver.formula import FitError
-from remat.solver.plan import STEP_WITHOUT_LOSS, Plan
+from remat.solver.plan import STEP_WITH_LOSS, STEP_WITHOUT_LOSS, Plan
 
 __all__ = ["optimize"]
 
@@ -39,6 +42,8 @@ def optimize(
     example_inputs: Any,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
     request: Request | None = None,
     **flat: Unpack[RequestArgs],
 ) -> RematModule:
@@ -51,6 +56,14 @@ def optimize(
         example_inputs: a tensor or tuple of tensors, with the shapes training will use.
         example_kwargs: keyword arguments of the forward (tensors or constants such as
             ``use_cache=False``; ``use_cache`` defaults to False when the forward accepts it).
+        loss_fn, target: the loss the training loop computes from the module's output,
+            ``loss_fn(output, target)`` (a scalar). The plan and its peak then cover the step
+            the loop runs: ``out = module(*inputs); loss = loss_fn(out, target); del out;
+            loss.backward()`` (the module still returns the output; the loop computes the
+            loss). ``loss_fn`` must read only the output and the target (no trainable tensor of
+            its own). ``target`` follows the inputs' batch and sequence sizes at other shapes
+            (``max_seq``, a new batch). Without ``loss_fn`` the plan covers the module's
+            forward and a backward from a dense output gradient, the output alive to the end.
         request: the whole request as one :class:`remat.Request`; or, as sugar, its fields as
             the flat keyword arguments below (not both).
         budget_gb, budget_bytes: the whole device's memory (1 GB = 1e9 bytes). remat subtracts
@@ -98,13 +111,8 @@ def optimize(
     The model may be built under ``remat.fake_mode()`` to plan shapes larger than this
     machine: the returned module then carries a plan but cannot run.
     """
-    if "loss_fn" in flat or "target" in flat:
-        raise ValueError(
-            "remat.optimize plans the module's forward and a backward from a dense output "
-            "gradient; a loss computed outside the module is planned by remat.apply(model, "
-            "inputs, loss_fn=..., target=...). With remat.optimize, compute the loss inside "
-            "the module (a wrapper whose forward returns it)"
-        )
+    if target is not None and loss_fn is None:
+        raise ValueError("target= is the loss's target: pass loss_fn= with it")
     req = request_of(request, flat)
     if req.training.precision == FSDP_MIXED:
         raise ValueError(
@@ -116,7 +124,8 @@ def optimize(
             f"unknown precision {req.training.precision!r}; valid: {', '.join(AUTOCAST)}"
         )
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
-    planner = _GraphPlanner(model, req)
+    loss = Loss.of(loss_fn, target)
+    planner = _GraphPlanner(model, req, loss, (args, kwargs))
     if req.max_seq is not None or req.seq_buckets:
         planner.lengths = _length_plans(model, args, kwargs, planner, req)
     first_compiled = planner(model, args, kwargs)
@@ -128,8 +137,16 @@ class _GraphPlanner:
     plan) for one set of inputs, and build the executor. ``RematModule`` calls it again for
     inputs of another signature."""
 
-    def __init__(self, model: nn.Module, request: Request) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        request: Request,
+        loss: Loss | None = None,
+        example: tuple[tuple[Any, ...], Mapping[str, Any]] = ((), {}),
+    ) -> None:
         self.request = request
+        self.loss = loss
+        self.example = example
         self.device = request.device(model)
         self.step_budget = request.step_budget(self.device)
         self.profile = resolve_profile(model, request.device_profile)
@@ -145,7 +162,20 @@ class _GraphPlanner:
             device_profile=self.profile,
             precision=options.precision,
             grads_held=not options.grads_released,
+            loss=self.loss_at(a, kw),
         )
+
+    def loss_at(self, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Loss | None:
+        """The loss with its target at these inputs' batch and sequence sizes (the example's
+        target tiled and cropped as the inputs are, :func:`remat.graph.dynamic.inputs_at`)."""
+        if self.loss is None:
+            return None
+        ex_args, ex_kwargs = self.example
+        dims, now = Dims.of(ex_args, ex_kwargs), Dims.of(a, kw)
+        if (now.batch, now.seq) == (dims.batch, dims.seq):
+            return self.loss
+        (target,), _ = inputs_at((self.loss.target,), {}, dims, now.batch, now.seq)
+        return Loss(self.loss.fn, target)
 
     def solved(self, problem: Problem) -> Plan:
         req = self.request
@@ -159,11 +189,14 @@ class _GraphPlanner:
             )
 
     def compiled(self, analysis: Analysis, chosen: Plan, solve_s: float) -> Compiled:
-        chosen = dataclasses.replace(chosen, step=STEP_WITHOUT_LOSS)
+        step = STEP_WITHOUT_LOSS if self.loss is None else STEP_WITH_LOSS
+        chosen = dataclasses.replace(chosen, step=step)
         if self.device is not None:
             chosen = dataclasses.replace(chosen, device_memory=self.device.breakdown(chosen))
         t_rewrite = time.perf_counter()
-        executor = build_executor(analysis.joint, analysis.problem, chosen)
+        module = analysis.module_problem
+        schedule = None if module is None else module_schedule(chosen.schedule, module)
+        executor = build_executor(analysis.joint, analysis.executed, chosen, schedule)
         timings = {
             **analysis.timings,
             "solve": solve_s,

@@ -296,7 +296,13 @@ def plan_command(args: argparse.Namespace) -> int:
                 )
                 timings = applied(model).timings
             else:
-                fast = optimize(built.model, built.args, example_kwargs=built.kwargs, request=req)
+                fast = optimize(
+                    built.model,
+                    built.args,
+                    example_kwargs=built.kwargs,
+                    request=req,
+                    **built.loss(),
+                )
                 timings = fast._first.timings
         except (ValueError, TraceError) as e:
             console.print(f"[red]remat plan: {e}")
@@ -453,15 +459,10 @@ def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor:
 def executor_of(args: argparse.Namespace, built: Built | None = None) -> str:
     """``--executor auto``: ``sac`` where the run is sharded or replicated (ZeRO-3 over several
     ranks is FSDP2, data parallel is DDP: engines only the ``sac`` executor runs under) or
-    where a factory gives a loss outside the model (``remat.apply`` plans it), ``graph`` on
-    one device."""
+    where a factory gives a loss outside the model (as torchtitan's trainer runs it: on the
+    user's own blocks), ``graph`` on one device."""
     loss = built is not None and built.loss_fn is not None
     if args.executor != "auto":
-        if args.executor == "graph" and loss:
-            raise ValueError(
-                f"{args.model} gives a loss outside the model (loss_fn, target), which "
-                "remat.apply's executor plans: use --executor sac (or auto)"
-            )
         return str(args.executor)
     parallel = getattr(args, "tp_size", 1) > 1 or getattr(args, "pp_size", 1) > 1
     return "sac" if args.world_size > 1 or parallel or loss else "graph"
@@ -633,6 +634,7 @@ class _GraphSide:
             device_profile=args.device,
             precision=args.precision,
             grads_held=not options.grads_released,
+            loss=Loss.of(built.loss_fn, built.target),
         ).problem
         self.solvers = [*SOLVERS, "auto"]
 

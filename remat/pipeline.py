@@ -15,9 +15,11 @@ from remat import _torch_compat as tc
 from remat.graph.autocast import AUTOCAST, policy_of
 from remat.graph.capture import Captured, capture
 from remat.graph.joint import JointGraph, build_joint
+from remat.graph.loss import capture_loss, splice
 from remat.graph.problem import build_problem
 from remat.graph.profiles import DeviceProfile
-from remat.graph.scratch import scratch_of_graph, where_measured
+from remat.graph.scratch import output_bytes_of_graph, scratch_of_graph, where_measured
+from remat.meter import Loss
 from remat.planfile import plan_from_file
 from remat.problem import Problem
 from remat.solver.config import BudgetError, SolverConfig
@@ -35,8 +37,16 @@ class Analysis:
     captured: Captured
     joint: JointGraph
     problem: Problem
+    """The step planned: with a loss, the module's and the loss's (:mod:`remat.graph.loss`)."""
     timings: Mapping[str, float]
     """Seconds spent in ``capture``, ``joint`` and ``annotate``."""
+    module_problem: Problem | None = None
+    """With a loss: the module's own problem, whose part of the plan the executor runs."""
+
+    @property
+    def executed(self) -> Problem:
+        """The problem the executor's graphs are cut from."""
+        return self.module_problem or self.problem
 
 
 def analyze(
@@ -47,11 +57,13 @@ def analyze(
     device_profile: str | DeviceProfile = "cpu",
     precision: str = "fp32",
     grads_held: bool = True,
+    loss: Loss | None = None,
 ) -> Analysis:
     """Capture ``model`` and reduce its training step to a :class:`Problem`.
 
     ``precision``: ``fp32``, or ``bf16-mixed`` / ``fp16-mixed`` to trace under autocast.
     ``grads_held``: False when gradients leave the device as they are produced (ZeRO 2-3).
+    ``loss``: the loss the training loop computes from the outputs, planned with them.
     """
     if precision not in AUTOCAST:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(AUTOCAST)}")
@@ -63,36 +75,53 @@ def analyze(
     t1 = time.perf_counter()
     joint = build_joint(captured)
     t2 = time.perf_counter()
-    scratch, where = _scratch(model, joint, device_profile)
-    problem = build_problem(
-        joint,
-        device_profile=device_profile,
-        metadata={
-            "model": type(model).__name__,
-            "capture": captured.method,
-            "precision": precision,
-            "scratch": where,
-        },
-        scratch=scratch,
-    )
-    if not grads_held:
-        problem = dataclasses.replace(problem, grads_held=False)
+    metadata = {"model": type(model).__name__, "capture": captured.method, "precision": precision}
+
+    def problem_of(graph: JointGraph) -> Problem:
+        scratch, output_bytes, where = _scratch(model, graph, device_profile)
+        problem = build_problem(
+            graph,
+            device_profile=device_profile,
+            metadata={**metadata, "scratch": where},
+            scratch=scratch,
+            output_bytes=output_bytes,
+        )
+        return problem if grads_held else dataclasses.replace(problem, grads_held=False)
+
+    problem = module_problem = problem_of(joint)
+    if loss is not None:
+        graph = capture_loss(
+            loss.fn,
+            loss.target,
+            captured,
+            joint,
+            autocast=AUTOCAST[precision],
+            autocast_policy=policy_of(name),
+            problem_of=problem_of,
+        )
+        problem = splice(module_problem, graph)
     t3 = time.perf_counter()
     return Analysis(
-        captured, joint, problem, {"capture": t1 - t0, "joint": t2 - t1, "annotate": t3 - t2}
+        captured,
+        joint,
+        problem,
+        {"capture": t1 - t0, "joint": t2 - t1, "annotate": t3 - t2},
+        module_problem if loss is not None else None,
     )
 
 
 def _scratch(
     model: nn.Module, joint: JointGraph, device_profile: str | DeviceProfile
-) -> tuple[dict[str, int], str]:
-    """Kernel scratch per node where it can be measured for the device planned for
-    (:func:`remat.graph.scratch.where_measured`), and a line saying where (or why not)."""
+) -> tuple[dict[str, int], dict[str, int], str]:
+    """Kernel scratch and output bytes per node where they can be measured for the device
+    planned for (:func:`remat.graph.scratch.where_measured`), and a line saying where (or
+    why not)."""
     name = device_profile.name if isinstance(device_profile, DeviceProfile) else device_profile
     where = where_measured(model, name)
     if where is None:
-        return {}, f"not measured ({_why_not(model, name)}): counts 0"
-    return scratch_of_graph(joint.graph_module), where
+        return {}, {}, f"not measured ({_why_not(model, name)}): counts 0"
+    gm = joint.graph_module
+    return scratch_of_graph(gm), output_bytes_of_graph(gm), where
 
 
 def _why_not(model: nn.Module, profile: str) -> str:

@@ -68,6 +68,16 @@ class Value:
     region: str = ""
     """The checkpoint region a forward value runs in (``"sac"`` problems: the block's path),
     or the region whose backward a backward value belongs to; empty outside regions."""
+    pinned: bool = False
+    """Computed once and never recomputed, though it draws nothing: the user's loss, which
+    runs eagerly around remat's module (its autograd keeps what its backward reads), and the
+    module's outputs the loss reads (:mod:`remat.graph.loss`)."""
+
+    @property
+    def never_recomputed(self) -> bool:
+        """A plan keeps this value wherever the backward reads it (:attr:`random` or
+        :attr:`pinned`)."""
+        return self.random or self.pinned
 
     def __post_init__(self) -> None:
         if not set(self.allocates) <= set(self.storages):

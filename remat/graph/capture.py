@@ -276,7 +276,10 @@ def capture(
         raise ValueError(f"unknown capture method {method!r}; valid: auto, export, symbolic_trace")
     kwargs = dict(kwargs or {})
     layout = input_layout(model, args, kwargs)
-    if not any(p.requires_grad for p in model.parameters()):
+    differentiable_input = any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in layout.flatten(args, kwargs)
+    )
+    if not differentiable_input and not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): "
             "there is no backward pass to plan"

@@ -248,7 +248,17 @@ def range_text(r: Bounds) -> str:
 
 def _signature(problem: Problem) -> list[tuple[Any, ...]]:
     return [
-        (v.name, v.role, v.op, v.inputs, v.storages, v.allocates, v.random, v.savable, len(v.shape))
+        (
+            v.name,
+            v.role,
+            v.op,
+            v.inputs,
+            v.storages,
+            v.allocates,
+            v.never_recomputed,
+            v.savable,
+            len(v.shape),
+        )
         for v in problem.values
     ]
 

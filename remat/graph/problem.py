@@ -20,6 +20,9 @@ from remat.graph.joint import JointGraph, backward_nodes
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
 
+BLOCK = 512
+"""Bytes of the CUDA caching allocator's smallest block."""
+
 
 def _storages(val: Any) -> list[tuple[int, int]]:
     """(storage key, bytes) of every tensor in a node's value."""
@@ -83,10 +86,15 @@ def build_problem(
     device_profile: str | DeviceProfile = "cpu",
     metadata: Mapping[str, str] | None = None,
     scratch: Mapping[str, int] | None = None,
+    output_bytes: Mapping[str, int] | None = None,
 ) -> Problem:
     """Annotate every node (role, storages, FLOPs, time, randomness, module path).
-    ``scratch``: kernel scratch bytes by node name (:mod:`remat.graph.scratch`)."""
+    ``scratch``: kernel scratch bytes by node name; ``output_bytes``: what each node's
+    outputs hold as the device's kernel made them (:mod:`remat.graph.scratch`), where that
+    is more than its FakeTensor's storage (by a block or more: a CUDA allocator's rounding
+    alone is not a larger buffer)."""
     scratch = scratch or {}
+    output_bytes = output_bytes or {}
     profile = get_profile(device_profile)
     graph = joint.graph_module.graph
     roles = {p.name: p.role for p in joint.placeholders}
@@ -120,6 +128,11 @@ def build_problem(
                 storage_bytes[sid] = nbytes
                 allocates.append(sid)
             storages.append(storage_owner[key])
+        if (
+            len(allocates) == 1
+            and output_bytes.get(node.name, 0) >= storage_bytes[allocates[0]] + BLOCK
+        ):
+            storage_bytes[allocates[0]] = output_bytes[node.name]
         view = view_like(node, bool(allocates))
         is_random = _is_random(node) or (node.target is operator.getitem and inputs[0] in random)
         if is_random and role is Role.FORWARD:

@@ -34,14 +34,18 @@ __all__ = [
     "Call",
     "call_of",
     "device_of",
+    "measure_calls",
+    "measure_graph",
     "measure_scratch",
+    "output_bytes_of_graph",
     "scratch_of_graph",
     "where_measured",
     "where_measured_on",
 ]
 
 _LABEL = "remat::scratch::"
-_CACHE: dict[tuple[Any, ...], int] = {}
+_CACHE: dict[tuple[Any, ...], tuple[int, int]] = {}
+"""(scratch, output bytes) by call signature."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,9 @@ def _realize(call: Call, generator: torch.Generator) -> tuple[tuple[Any, ...], d
     return tuple(args), dict(kwargs)
 
 
-def _in_op_extra(events: list[tuple[int, int, int]]) -> int:
-    """Most bytes an op's own allocations held at once, less what it still holds at the end."""
+def _in_op_extra(events: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """Most bytes an op's own allocations held at once, less what it still holds at the end;
+    and what it still holds (its outputs' storages as the kernel made them)."""
     live = peak = 0
     mine: set[int] = set()
     for _, nbytes, address in events:
@@ -170,10 +175,12 @@ def _in_op_extra(events: list[tuple[int, int, int]]) -> int:
             continue  # an input's block, resized or freed by the op: not scratch
         live += nbytes
         peak = max(peak, live)
-    return max(0, peak - live)
+    return max(0, peak - live), live
 
 
-def _measure_cpu(runs: list[tuple[tuple[Any, ...], Callable[[], Any]]]) -> dict[Any, int]:
+def _measure_cpu(
+    runs: list[tuple[tuple[Any, ...], Callable[[], Any]]],
+) -> dict[Any, tuple[int, int]]:
     kept: list[Any] = []  # outputs stay referenced until the op's label has closed
     with allocator_profile() as prof:
         for k, (_, call) in enumerate(runs):
@@ -184,7 +191,9 @@ def _measure_cpu(runs: list[tuple[tuple[Any, ...], Callable[[], Any]]]) -> dict[
     return {sig: _in_op_extra(events.get(f"{_LABEL}{k}", [])) for k, (sig, _) in enumerate(runs)}
 
 
-def _measure_cuda(runs: list[tuple[tuple[Any, ...], Callable[[], Any]]]) -> dict[Any, int]:
+def _measure_cuda(
+    runs: list[tuple[tuple[Any, ...], Callable[[], Any]]],
+) -> dict[Any, tuple[int, int]]:
     out = {}
     for sig, call in runs:
         torch.cuda.synchronize()
@@ -195,7 +204,7 @@ def _measure_cuda(runs: list[tuple[tuple[Any, ...], Callable[[], Any]]]) -> dict
         peak = torch.cuda.max_memory_allocated() - before
         held = torch.cuda.memory_allocated() - before
         del result
-        out[sig] = max(0, peak - held)
+        out[sig] = (max(0, peak - held), held)
     return out
 
 
@@ -203,6 +212,11 @@ def measure_scratch(calls: Sequence[Call]) -> list[int]:
     """Scratch bytes of each call run on real tensors of its layouts (cached per signature;
     global random state untouched). An op that fails on such made-up values (a
     data-dependent kernel) counts 0."""
+    return [scratch for scratch, _ in measure_calls(calls)]
+
+
+def measure_calls(calls: Sequence[Call]) -> list[tuple[int, int]]:
+    """:func:`measure_scratch`, and the bytes each call's outputs hold on the device."""
     keys = [c.key for c in calls]
     todo: dict[tuple[Any, ...], Call] = {}
     for key, call in zip(keys, calls, strict=True):
@@ -215,6 +229,7 @@ def measure_scratch(calls: Sequence[Call]) -> list[int]:
         cuda = any(isinstance(x, TensorLayout) and x.device.type == "cuda" for x in call.leaves)
 
         def run(op: Any = call.op, a: Any = args, kw: Any = kwargs) -> Any:
+            """Made-up values: an op may fail on them (see the docstring)."""
             try:
                 return op(*a, **kw)
             except Exception:  # noqa: BLE001 - made-up values; see the docstring
@@ -230,6 +245,19 @@ def measure_scratch(calls: Sequence[Call]) -> list[int]:
 def scratch_of_graph(graph_module: torch.fx.GraphModule) -> dict[str, int]:
     """Scratch bytes of every ATen op node of a captured graph (FakeTensor metadata), by node
     name; nodes without any are left out."""
+    return {n: scratch for n, (scratch, _) in measure_graph(graph_module).items() if scratch}
+
+
+def output_bytes_of_graph(graph_module: torch.fx.GraphModule) -> dict[str, int]:
+    """Bytes the outputs of every ATen op node of a captured graph hold as the device's
+    kernel made them, by node name. Why: a kernel may return a tensor viewing a larger
+    buffer than its shape needs (CPU ``mse_loss`` and ``smooth_l1_loss`` return a scalar
+    viewing the elementwise losses), which the FakeTensor's storage does not show."""
+    return {n: held for n, (_, held) in measure_graph(graph_module).items()}
+
+
+def measure_graph(graph_module: torch.fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """(scratch, output bytes) of every ATen op node, by name (cached per signature)."""
     names: list[str] = []
     calls: list[Call] = []
     for node in graph_module.graph.nodes:
@@ -240,4 +268,4 @@ def scratch_of_graph(graph_module: torch.fx.GraphModule) -> dict[str, int]:
         if call is not None:
             names.append(node.name)
             calls.append(call)
-    return {n: b for n, b in zip(names, measure_scratch(calls), strict=True) if b}
+    return dict(zip(names, measure_calls(calls), strict=True))

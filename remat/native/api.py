@@ -52,7 +52,7 @@ from remat.request import (
 )
 from remat.solver.config import BudgetError
 from remat.solver.formula import FitError
-from remat.solver.plan import STEP_WITHOUT_LOSS, Plan
+from remat.solver.plan import STEP_WITH_LOSS, STEP_WITHOUT_LOSS, Plan
 from remat.solver.registry import solvers_for
 
 __all__ = ["NATIVE_SOLVERS", "apply", "save_plan", "unapply"]
@@ -340,7 +340,7 @@ def step_planned(loss: Loss | None, pipeline: Pipeline | None = None) -> str:
     if pipeline is not None:
         return f"one schedule step of {pipeline.describe()}, the pipeline's loss included"
     if loss is not None:
-        return "the training step with its loss (loss_fn), the output freed before the backward"
+        return STEP_WITH_LOSS
     return STEP_WITHOUT_LOSS
 
 

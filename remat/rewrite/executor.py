@@ -15,9 +15,11 @@ from typing import Any
 import torch
 
 from remat.graph.joint import JointGraph
+from remat.graph.loss import same_layout
 from remat.problem import Problem, Role
 from remat.rewrite.partition import SplitGraphs, split
 from remat.solver.plan import Plan
+from remat.solver.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -111,15 +113,20 @@ def _as_traced(grad: torch.Tensor | None, spec: TensorSpec, device: torch.device
         raise RuntimeError(
             f"remat: output gradient of shape {tuple(grad.shape)}, expected {spec.shape}"
         )
-    if grad.stride() != spec.stride:
+    if not same_layout(spec.shape, grad.stride(), spec.stride):
         out = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=grad.device)
         out.copy_(grad)
         return out
     return grad
 
 
-def build_executor(joint: JointGraph, problem: Problem, plan: Plan) -> Executor:
-    graphs = split(joint, plan.schedule, frozenset(v.name for v in problem.values if v.random))
+def build_executor(
+    joint: JointGraph, problem: Problem, plan: Plan, schedule: Schedule | None = None
+) -> Executor:
+    """The executor of ``plan`` over ``joint``; ``schedule``: the part of the plan's schedule
+    the module runs, where the plan covers more (the loss, :mod:`remat.graph.loss`)."""
+    schedule = schedule or plan.schedule
+    graphs = split(joint, schedule, frozenset(v.name for v in problem.values if v.random))
     primals = joint.primals
     position = {p.name: i for i, p in enumerate(primals)}
     keys = tuple((p.role, p.key) for p in primals)
@@ -134,7 +141,7 @@ def build_executor(joint: JointGraph, problem: Problem, plan: Plan) -> Executor:
         primal_keys=keys,
         num_user_outputs=len(joint.user_outputs),
         mutated=tuple(position[ph.name] for _, ph in joint.mutations),
-        backward_external=tuple(position[n] for n in plan.schedule.external_reads if n in position),
+        backward_external=tuple(position[n] for n in schedule.external_reads if n in position),
         tangent_outputs=tuple(int(ph.key) for ph in joint.tangents),
         tangent_specs=tuple(tangent_specs),
         grad_targets=tuple(position[ph.name] for _, ph in joint.grads),

@@ -348,7 +348,8 @@ def _knapsack(
     lp = pulp.LpProblem("block_bound", pulp.LpMinimize) if tail is None else tail[1].lp
     saved = {n: lp.add_variable(f"s{k}", 0, 1, cat=pulp.LpBinary) for k, n in enumerate(outside)}
     redo = {
-        n: lp.add_variable(f"r{k}", 0, 0 if values[n].random else 1) for k, n in enumerate(outside)
+        n: lp.add_variable(f"r{k}", 0, 0 if values[n].never_recomputed else 1)
+        for k, n in enumerate(outside)
     }
     cost = [scale * values[n].time_s * redo[n] for n in outside]
     for n in problem.backward_reads:
@@ -542,7 +543,7 @@ def _pulls(
             lp += pull >= out[-1]
         by_k: dict[str, pulp.LpVariable] = {}
         for n in order:
-            if n not in closure or values[n].random:
+            if n not in closure or values[n].never_recomputed:
                 continue
             c = by_k[n] = lp.add_variable(f"c{j}_{len(by_k)}", 0, 1)
             if n in read:

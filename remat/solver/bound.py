@@ -90,7 +90,7 @@ def recompute_horizons(problem: Problem, first_read: Mapping[str, int]) -> dict[
     out = {}
     for n in fwd:
         h = min((earliest[u] for u in users[n] if u in fwd), default=_NEVER)
-        if n not in first_read and not problem.by_name[n].random and h < _NEVER:
+        if n not in first_read and not problem.by_name[n].never_recomputed and h < _NEVER:
             out[n] = h
     return out
 
@@ -228,7 +228,8 @@ def backward_bound(
     saved = {n: lp.add_variable(f"s{k}", 0, 1, cat=pulp.LpBinary) for k, n in enumerate(names)}
     # Recomputation may be fractional: a relaxation of a relaxation is still a lower bound.
     redo = {
-        n: lp.add_variable(f"r{k}", 0, 0 if values[n].random else 1) for k, n in enumerate(names)
+        n: lp.add_variable(f"r{k}", 0, 0 if values[n].never_recomputed else 1)
+        for k, n in enumerate(names)
     }
     lp += pulp.lpSum(scale * values[n].time_s * redo[n] for n in fwd)
     for n in problem.backward_reads:

@@ -103,7 +103,7 @@ def checkmate_bound(
         R[t, n] = 1 if forced else var(f"R_{t}_{t}")
         if t >= first_backward:
             for i in fwd:
-                if not values[i].random:
+                if not values[i].never_recomputed:
                     R[t, i] = var(f"R_{t}_{stage[i]}")
     # S[t, i]: i live entering stage t (i computed in an earlier stage).
     # What the simulator holds whatever the plan: user outputs and gradients to the end of

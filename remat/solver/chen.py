@@ -69,7 +69,10 @@ def checkpoint_candidates(problem: Problem) -> list[str]:
     return [
         v.name
         for v in problem.values
-        if v.name in cut and v.allocates and not v.random and v.name not in problem.user_outputs
+        if v.name in cut
+        and v.allocates
+        and not v.never_recomputed
+        and v.name not in problem.user_outputs
     ]
 
 

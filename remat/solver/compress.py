@@ -92,7 +92,7 @@ def _mergeable_views(problem: Problem) -> dict[str, str]:
     for v in problem.values:
         if (
             v.role is not Role.FORWARD
-            or v.random
+            or v.never_recomputed
             or v.allocates
             or not v.inputs
             or v.name in keep
@@ -117,7 +117,7 @@ def _mergeable_views(problem: Problem) -> dict[str, str]:
     for v in reversed(fwd):
         w = set(direct[v.name])
         for c in problem.users[v.name]:
-            if c in window and not values[c].random:
+            if c in window and not values[c].never_recomputed:
                 w |= window[c]
         window[v.name] = w
 
@@ -172,7 +172,7 @@ def _core(problem: Problem) -> set[str]:
     """Forward values the forward computes whatever is saved (outputs, buffer updates, random
     ops and what they need)."""
     targets = set(problem.user_outputs) | set(problem.mutation_outputs)
-    targets |= {v.name for v in problem.values if v.role is Role.FORWARD and v.random}
+    targets |= {v.name for v in problem.values if v.role is Role.FORWARD and v.never_recomputed}
     core: set[str] = set()
     for v in reversed(problem.values):
         if v.role is Role.FORWARD and v.name in targets:
@@ -195,14 +195,14 @@ def _fold_chains(problem: Problem) -> dict[str, str]:
     core = _core(problem)
     fold: dict[str, str] = {}
     for v in problem.values:
-        if v.role is not Role.FORWARD or v.random or v.name in reads or v.name in keep:
+        if v.role is not Role.FORWARD or v.never_recomputed or v.name in reads or v.name in keep:
             continue
         users = [u for u in problem.users[v.name] if values[u].role is not Role.BACKWARD]
         if len(users) != 1 or v.name not in core:
             continue
         c = values[users[0]]
         if (
-            c.random
+            c.never_recomputed
             or c.name not in core
             or set(c.storages) != set(c.allocates)
             or set(v.storages) != set(v.allocates)

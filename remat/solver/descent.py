@@ -46,7 +46,7 @@ def descend(
                 n
                 for n in _helpful(problem, plan)
                 if values[n].role is Role.FORWARD
-                and not values[n].random
+                and not values[n].never_recomputed
                 and problem.storages_bytes(values[n].allocates) > 0
             ),
             key=lambda n: (

@@ -205,7 +205,9 @@ def _sac_keep(problem: Problem, saved: Iterable[str]) -> frozenset[str]:
             if creator.get(s) in candidates
             and problem.by_name[creator[s]].region == problem.by_name[name].region
         )
-    keep.update(v.name for v in problem.values if v.role is Role.FORWARD and v.region and v.random)
+    keep.update(
+        v.name for v in problem.values if v.role is Role.FORWARD and v.region and v.never_recomputed
+    )
     eager = {problem.by_name[n].region for n in keep if problem.by_name[n].op == NO_CHECKPOINT}
     return frozenset(
         n

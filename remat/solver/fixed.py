@@ -32,11 +32,16 @@ MATMUL_OPS = frozenset(
 
 
 def must_save(problem: Problem) -> dict[str, str]:
-    """Outputs of random ops: recomputing them would draw fresh random numbers."""
+    """Outputs of random ops (recomputing them would draw fresh random numbers) and pinned
+    values (the loss's, computed once outside remat's graphs)."""
     return {
-        v.name: "saved: random op output (never recomputed)"
+        v.name: (
+            "saved: random op output (never recomputed)"
+            if v.random
+            else "saved: computed once for the loss (never recomputed)"
+        )
         for v in problem.values
-        if v.role is Role.FORWARD and v.random
+        if v.role is Role.FORWARD and v.never_recomputed
     }
 
 

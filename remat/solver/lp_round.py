@@ -68,7 +68,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
         raise RuntimeError(f"lp_round: the LP relaxation was not solved ({status})")
     bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / model.scale
     frac = {n: float(v.value() or 0.0) for n, v in model.s.items()}
-    random_values = {n for n in model.fwd if small.by_name[n].random}
+    random_values = {n for n in model.fwd if small.by_name[n].never_recomputed}
 
     candidates: list[frozenset[str]] = []
     for theta in sorted({x for x in frac.values() if x > 1e-9} | {0.5}, reverse=True):

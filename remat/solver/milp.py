@@ -135,7 +135,7 @@ class _Model:
         for n in reversed(self.fwd):
             w = set(self.direct[n])
             for c in self.consumers[n]:
-                if not values[c].random:  # never recomputed, so never needs n recomputed
+                if not values[c].never_recomputed:  # never recomputed, so never needs n recomputed
                     w |= window[c]
             window[n] = w
         self.window = {n: sorted(w) for n, w in window.items()}
@@ -237,7 +237,7 @@ class _Model:
         p = self.problem
         values = p.by_name
         keep = set(p.user_outputs) | set(p.mutation_outputs)
-        targets = keep | {n for n in self.fwd if values[n].random}
+        targets = keep | {n for n in self.fwd if values[n].never_recomputed}
         core: set[str] = set()
         for n in reversed(self.fwd):
             if n in targets:
@@ -326,7 +326,7 @@ class _Model:
         self.R: dict[tuple[str, int], pulp.LpVariable] = {}
         for i in reversed(range(len(self.fwd))):
             n = self.fwd[i]
-            if values[n].random:
+            if values[n].never_recomputed:
                 continue
             for t in self.window[n]:
                 if n in self.fold:
@@ -827,7 +827,7 @@ def _rounds(s: _Search, model: _Model) -> Plan:
         _run_solver(model, s, warm)
         if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             return _no_solution(model, s.original, s.budget_bytes, s.config, s.start, s.free)
-        saved = model.saved() | {n for n in model.fwd if problem.by_name[n].random}
+        saved = model.saved() | {n for n in model.fwd if problem.by_name[n].never_recomputed}
         plan = make_plan(problem, saved, solver="exact", reason="", proof=Proof.TIME_LIMIT)
         sim = plan.simulation
         target = float(s.budget_bytes if s.budget_bytes is not None else pulp.value(model.M))

@@ -42,6 +42,8 @@ STEP_WITHOUT_LOSS = (
     "until the backward ends (no loss_fn: the loss computed outside the module is not planned)"
 )
 
+STEP_WITH_LOSS = "the training step with its loss (loss_fn), the output freed before the backward"
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -77,7 +77,7 @@ def build_schedule(problem: Problem, saved: Iterable[str]) -> Schedule:
     external_reads = tuple(sorted(external & read, key=index.__getitem__))
 
     targets = set(problem.user_outputs) | set(problem.mutation_outputs) | set(saved_used)
-    targets |= {v.name for v in problem.values if v.role is Role.FORWARD and v.random}
+    targets |= {v.name for v in problem.values if v.role is Role.FORWARD and v.never_recomputed}
     needed: set[str] = set()
     for v in reversed(problem.values):
         if v.role is Role.FORWARD and v.name in targets:
@@ -175,6 +175,11 @@ def recompute_closure(
             raise InvalidPlanError(
                 f"{name} ({v.op}) draws random numbers and would be recomputed with fresh "
                 "randomness: a plan must save it (or what the backward reads of it)"
+            )
+        if v.pinned:
+            raise InvalidPlanError(
+                f"{name} ({v.op}) is computed once, outside remat's graphs (the loss, or the "
+                "output it reads): a plan must save it where the backward reads it"
             )
         missing.add(name)
         stack.extend(i for i in v.inputs if i not in available and i not in missing)

@@ -65,7 +65,7 @@ def boundaries(problem: Problem, structure: Structure) -> dict[int, str]:
             continue
         (name,) = leaving
         v = values[name]
-        if v.random or name in user_outputs or not v.allocates:
+        if v.never_recomputed or name in user_outputs or not v.allocates:
             continue
         if all(owner.get(u) in (k, k + 1) for u in users[name]):
             out[k] = name
@@ -158,7 +158,7 @@ def outside_candidates(
         v = values[name]
         others = {s for n in saved if n != name for s in values[n].storages}
         own = problem.storages_bytes(set(v.storages) - others)
-        if own == 0 or v.random:
+        if own == 0 or v.never_recomputed:
             continue
         try:
             again = recompute_closure(problem, [name], available - {name})

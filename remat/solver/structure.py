@@ -106,7 +106,7 @@ def _signature(problem: Problem, block: Block) -> tuple[object, ...]:
         ins = tuple(local[i] if i in local else _outside(values[i]) for i in v.inputs)
         sto = tuple(storage_local.setdefault(s, len(storage_local)) for s in v.storages)
         nbytes = tuple(problem.storage_bytes.get(s, 0) for s in v.allocates)
-        sig.append((v.role.value, v.op, v.shape, v.random, ins, sto, nbytes, v.flops))
+        sig.append((v.role.value, v.op, v.shape, v.never_recomputed, ins, sto, nbytes, v.flops))
     return tuple(sig)
 
 
@@ -161,6 +161,7 @@ def block_problem(problem: Problem, block: Block, ballast_bytes: int = 0) -> Pro
                 v.module_path,
                 v.module_stack,
                 v.shape,
+                pinned=v.pinned,
             )
         )
     grads = set(problem.grad_outputs)

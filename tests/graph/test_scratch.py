@@ -8,6 +8,7 @@ from remat.graph import scratch
 from remat.graph.scratch import call_of, measure_scratch, where_measured
 from remat.meter import allocator_peak_bytes
 from remat.models import TinyGPT
+from remat.verify import verify
 
 aten = torch.ops.aten
 
@@ -46,3 +47,29 @@ def test_where_scratch_is_measured() -> None:
     model = TinyGPT(vocab=16, dim=16, heads=2, layers=1, seq=8)
     assert where_measured(model, "cpu") is not None
     assert where_measured(model, "h100") is None  # CPU kernels say nothing of a GPU's
+
+
+def test_outputs_measured_where_the_kernel_returns_a_larger_buffer() -> None:
+    """CPU ``mse_loss`` returns a scalar viewing its elementwise losses: its storage is the
+    input's size, not 4 B; the problem counts what the kernel holds, so a module whose
+    output is that loss is predicted exactly."""
+
+    class Regression(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    gm = torch.fx.symbolic_trace(lambda a, b: aten.mse_loss.default(a, b, 1))
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), (x, y), strict=True):
+        node.meta["val"] = value
+    mse = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert scratch.output_bytes_of_graph(gm) == {mse.name: x.nbytes}
+    result = verify(Regression(), (x, y))
+    assert result.equal
+    for step in result.steps:
+        assert step.predicted_peak_bytes == step.measured_peak_bytes
+        assert step.predicted_tensor_peak_bytes == step.measured_tensor_peak_bytes

@@ -155,13 +155,6 @@ def test_nested_blocks_are_chosen_by_their_traced_least_peak() -> None:
     assert "2 from stages" in reason
 
 
-def test_optimize_points_a_loss_outside_the_model_to_apply() -> None:
-    model, tokens, labels = _titan()
-    assert remat.optimize(model, tokens, plan="keep_all").plan.step == STEP_WITHOUT_LOSS
-    with pytest.raises(ValueError, match=r"remat.apply\(model, inputs, loss_fn"):
-        remat.optimize(model, tokens, loss_fn=titan_loss, target=labels)  # type: ignore[call-arg]
-
-
 def _next_token_loss(logits: Any, ids: torch.Tensor) -> torch.Tensor:
     """A causal LM's loop loss from the logits it returns (a tensor or a ModelOutput)."""
     logits = logits if isinstance(logits, torch.Tensor) else logits.logits
