@@ -14,8 +14,8 @@ from typing_extensions import Unpack
 
 from remat.budget import FSDP_MIXED
 from remat.graph.autocast import AUTOCAST
-from remat.graph.dynamic import Dims, capture_dynamic, inputs_at, sequence_dims
-from remat.graph.loss import module_schedule
+from remat.graph.dynamic import capture_dynamic, sequence_dims
+from remat.graph.loss import loss_at, module_schedule
 from remat.lengths import LengthPlans, PlanningEvent, bucket_tops
 from remat.meter import Loss
 from remat.pipeline import Analysis, analyze, choose_plan
@@ -166,16 +166,7 @@ class _GraphPlanner:
         )
 
     def loss_at(self, a: tuple[Any, ...], kw: Mapping[str, Any]) -> Loss | None:
-        """The loss with its target at these inputs' batch and sequence sizes (the example's
-        target tiled and cropped as the inputs are, :func:`remat.graph.dynamic.inputs_at`)."""
-        if self.loss is None:
-            return None
-        ex_args, ex_kwargs = self.example
-        dims, now = Dims.of(ex_args, ex_kwargs), Dims.of(a, kw)
-        if (now.batch, now.seq) == (dims.batch, dims.seq):
-            return self.loss
-        (target,), _ = inputs_at((self.loss.target,), {}, dims, now.batch, now.seq)
-        return Loss(self.loss.fn, target)
+        return loss_at(self.loss, self.example, a, kw)
 
     def solved(self, problem: Problem) -> Plan:
         req = self.request

@@ -255,11 +255,8 @@ def plan_command(args: argparse.Namespace) -> int:
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
         executor = executor_of(args, built)
-        if args.pp_size > 1 and built.loss_fn is not None:
-            raise ValueError(
-                "a pipeline's loss is its last stage's (remat.Pipeline(loss_fn=...)): the "
-                "factory's loss_fn is not planned with --pp-size"
-            )
+        if args.pp_size > 1:
+            _no_factory_loss(built)
     except ValueError as e:
         console.print(f"[red]remat plan: {e}")
         return 2
@@ -454,6 +451,14 @@ def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor:
         dp_size=args.world_size if fsdp else 1,
         sequence_parallel=args.sequence_parallel,
     )
+
+
+def _no_factory_loss(built: Built) -> None:
+    if built.loss_fn is not None:
+        raise ValueError(
+            "a pipeline's loss is its last stage's (remat.Pipeline(loss_fn=...)): the "
+            "factory's loss_fn is not planned with --pp-size"
+        )
 
 
 def executor_of(args: argparse.Namespace, built: Built | None = None) -> str:
@@ -748,13 +753,9 @@ def fit_command(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
-        if built.loss_fn is not None:
-            raise ValueError(
-                f"{args.model} gives a loss outside the model (loss_fn, target): remat fit "
-                "does not plan it yet; remat plan and remat compare do (--executor sac)"
-            )
-        executor = executor_of(args)
+        executor = executor_of(args, built)
         if args.pp_size > 1:
+            _no_factory_loss(built)
             return _fit_pipeline(args, built, executor, console, err)
         if args.menus:
             raise ValueError(
@@ -784,6 +785,7 @@ def fit_command(args: argparse.Namespace) -> int:
                 shallow=shallow,
                 executor=executor,
                 copies=copies,
+                **built.loss(),
             )
         except (StaticMemoryError, ValueError, TraceError) as e:
             err.print(f"[red]remat fit: {escape(str(e))}")

@@ -38,7 +38,9 @@ from remat.formula import (
     formula_of,
 )
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic_deep
+from remat.graph.loss import loss_at
 from remat.graph.profiles import DeviceProfile, get_profile
+from remat.meter import Loss
 from remat.native.dynamic import NativeDynamic
 from remat.native.formula import Copies, native_dynamic
 from remat.native.formula import formula_of as native_formula_of
@@ -411,6 +413,8 @@ def fit(
     shallow: tuple[nn.Module, int, int] | None = None,
     executor: str = "graph",
     copies: Copies | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
     **flat: Unpack[RequestArgs],
 ) -> FitReport:
     """For each plan, the longest sequence at the example's batch and the largest batch at
@@ -429,8 +433,13 @@ def fit(
     block, each traced at the fit's shapes (:mod:`remat.native.dynamic`). ``copies``: a
     builder of the model with ``n`` blocks, to trace a deep stack's shapes on copies with 5
     and 6 blocks (:mod:`remat.native.deep`), checked against the model.
+
+    ``loss_fn``/``target``: the loop's loss (as :func:`remat.optimize` and
+    :func:`remat.apply` take it), its target tiled and cropped as the inputs are at every
+    shape searched.
     """
     check_executor(executor)
+    loss = Loss.of(loss_fn, target)
     if request is None:
         flat.setdefault("time_limit_s", 10.0)
     req = request_of(request, flat)
@@ -450,7 +459,7 @@ def fit(
     if executor == "sac":
         native, _ = native_dynamic(
             model, args, kwargs, dataclasses.replace(req, max_seq=max_seq), menus=True,
-            copies=copies,
+            copies=copies, loss=loss,
         )  # fmt: skip
         return fit_native(
             native, budget, get_profile(profile), batch=dims.batch, seq=dims.seq,
@@ -460,7 +469,7 @@ def fit(
     if shallow is None:
         dynamic = analyze_dynamic(
             model, args, example_kwargs=kwargs, precision=precision, grads_held=grads_held,
-            device_profile=profile, max_seq=max_seq, progress=progress,
+            device_profile=profile, max_seq=max_seq, progress=progress, loss=loss,
         )  # fmt: skip
     else:
         copy, copy_layers, layers = shallow
@@ -469,11 +478,17 @@ def fit(
             mode = tc.fake_mode_of(m)
 
             def run(a: tuple[Any, ...], kw: Mapping[str, Any]) -> Any:
+                at = loss_at(loss, (args, kwargs), a, kw)
                 if mode is not None:  # fake inputs of another FakeTensorMode: same shapes here
                     a, kw = tc.tree_map(lambda x: _in_mode(x, mode), (a, dict(kw)))
+                    if at is not None:
+                        at = dataclasses.replace(
+                            at, target=tc.tree_map(lambda x: _in_mode(x, mode), at.target)
+                        )
                 return analyze(
-                    m, a, kw, device_profile=profile, precision=precision, grads_held=grads_held
-                )
+                    m, a, kw, device_profile=profile, precision=precision, grads_held=grads_held,
+                    loss=at,
+                )  # fmt: skip
 
             return run
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.budget import Options, StaticMemory
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic, range_text
+from remat.graph.loss import loss_at
 from remat.graph.profiles import DeviceProfile
+from remat.meter import Loss
 from remat.native.formula import Copies, native_dynamic
 from remat.native.formula import formula_of as native_formula_of
 from remat.native.planner import NATIVE_PLANS
@@ -53,10 +56,12 @@ def analyze_dynamic(
     max_seq: int | None = None,
     seq: bool | None = None,
     progress: Callable[[str], None] | None = None,
+    loss: Loss | None = None,
 ) -> DynamicProblem:
     """The model's step at every shape: captured at the fit's shapes around the example's
     (:func:`remat.graph.dynamic.capture_dynamic`). ``seq``: whether dim 1 of the first input
-    is a sequence (default: when it holds integers, as token ids do)."""
+    is a sequence (default: when it holds integers, as token ids do). ``loss``: the loop's
+    loss, its target following the inputs' shapes (:func:`remat.graph.loss.loss_at`)."""
     args = as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     profile = resolve_profile(model, device_profile)
@@ -64,8 +69,9 @@ def analyze_dynamic(
 
     def one(a: tuple[Any, ...], kw: Mapping[str, Any]) -> Any:
         return analyze(
-            model, a, kw, device_profile=profile, precision=precision, grads_held=grads_held
-        )
+            model, a, kw, device_profile=profile, precision=precision, grads_held=grads_held,
+            loss=loss_at(loss, (args, kwargs), a, kw),
+        )  # fmt: skip
 
     return capture_dynamic(one, args, kwargs, dims, max_seq=max_seq, progress=progress)
 
@@ -147,6 +153,8 @@ def memory_formula(
     seq: bool | None = None,
     progress: Callable[[str], None] | None = None,
     copies: Copies | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
 ) -> MemoryFormula:
     """The device's peak memory for ``plan`` as an exact formula in the batch ``b`` and, for
     a model with a sequence dimension (dim 1 of the first input, token ids), its length ``s``.
@@ -161,9 +169,12 @@ def memory_formula(
 
     ``example_inputs`` must have a length of at least 8 (the fit captures at lengths around
     it); ``max_seq`` bounds the lengths the formula claims (the model's positions). The model
-    is not modified. See :class:`MemoryFormula` for what it answers.
+    is not modified. See :class:`MemoryFormula` for what it answers. ``loss_fn``/``target``:
+    the loop's loss (as :func:`remat.optimize` and :func:`remat.apply` take it), its target
+    tiled and cropped as the inputs are at every shape.
     """
     check_executor(executor)
+    loss = Loss.of(loss_fn, target)
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size
     )
@@ -180,7 +191,7 @@ def memory_formula(
         )  # fmt: skip
         native, _ = native_dynamic(
             model, as_args(example_inputs), dict(example_kwargs or {}), req, plans=(plan,),
-            seq=seq, copies=copies,
+            seq=seq, copies=copies, loss=loss,
         )  # fmt: skip
         return native_formula_of(native, plan, static)
     dynamic = analyze_dynamic(
@@ -193,5 +204,6 @@ def memory_formula(
         max_seq=max_seq,
         seq=seq,
         progress=progress,
+        loss=loss,
     )
     return formula_of(dynamic, plan, static)

@@ -31,12 +31,13 @@ from torch import nn
 
 from remat import _torch_compat as tc
 from remat.graph.capture import Captured, OutputLayout, capture
+from remat.graph.dynamic import Dims, inputs_at
 from remat.graph.joint import JointGraph, build_joint
-from remat.meter import LossError
+from remat.meter import Loss, LossError
 from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
 from remat.solver.schedule import Schedule
 
-__all__ = ["LossGraph", "capture_loss", "module_schedule", "splice"]
+__all__ = ["LossGraph", "capture_loss", "loss_at", "module_schedule", "splice"]
 
 PREFIX = "loss."
 """Prefix of the loss's value and storage names in the step's problem."""
@@ -288,3 +289,20 @@ def module_schedule(step: Schedule, module: Problem) -> Schedule:
         backward=backward,
         recomputed=tuple(n for n in step.recomputed if n in names),
     )
+
+
+def loss_at(
+    loss: Loss | None,
+    example: tuple[tuple[Any, ...], Mapping[str, Any]],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Loss | None:
+    """``loss`` with its target at ``args``' batch and sequence sizes: the example's target
+    tiled and cropped as the example inputs are (:func:`remat.graph.dynamic.inputs_at`)."""
+    if loss is None:
+        return None
+    dims, now = Dims.of(*example), Dims.of(args, kwargs)
+    if (now.batch, now.seq) == (dims.batch, dims.seq):
+        return loss
+    (target,), _ = inputs_at((loss.target,), {}, dims, now.batch, now.seq)
+    return dataclasses.replace(loss, target=target)

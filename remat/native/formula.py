@@ -12,7 +12,9 @@ from torch import nn
 
 from remat.budget import StaticMemory
 from remat.graph.dynamic import Dims, inputs_at, range_shapes
+from remat.graph.loss import loss_at
 from remat.graph.profiles import DeviceProfile, get_profile
+from remat.meter import Loss
 from remat.native import regions
 from remat.native.api import Stage, Traced, analyze, kv_cache_off
 from remat.native.deep import EDGES, WIDE, CopyStep, Edges, deep_sample, increments, larger, matched
@@ -54,10 +56,21 @@ def _plans(
 
 
 def _analyzed(
-    model: nn.Module, args: Any, kwargs: Any, request: Request, profile: DeviceProfile
+    model: nn.Module,
+    args: Any,
+    kwargs: Any,
+    request: Request,
+    profile: DeviceProfile,
+    loss: Loss | None = None,
 ) -> tuple[Traced, NativeProblem]:
     return analyze(
-        model, regions.find_blocks(model, request.block_types), args, kwargs, request, profile
+        model,
+        regions.find_blocks(model, request.block_types),
+        args,
+        kwargs,
+        request,
+        profile,
+        loss=loss,
     )
 
 
@@ -72,6 +85,7 @@ def native_dynamic(
     seq: bool | None = None,
     batch: int | None = None,
     copies: Copies | None = None,
+    loss: Loss | None = None,
 ) -> tuple[NativeDynamic, NativeProblem]:
     """``model``'s step under each of ``plans`` (:data:`remat.native.planner.FITTED_PLANS`)
     and, with ``menus``, each uniform option of the chain DP's menus, fitted over every shape
@@ -82,15 +96,18 @@ def native_dynamic(
     builder of shallower copies: the shapes are traced on copies with 4 and 5 blocks
     (:mod:`remat.native.deep`) and the result checked against traces of ``model`` at the
     example's shape under the fixed plans; where they differ, ``model`` itself is traced at
-    every shape."""
+    every shape. ``loss``: the loop's loss, its target tiled and cropped as the inputs are
+    (``model`` itself is then traced at every shape)."""
     dims = Dims.of(args, kwargs, seq)
     profile = get_profile(resolve_profile(model, request.device_profile))
     progress = request.progress
     with contextlib.ExitStack() as stack:
         stack.enter_context(kv_cache_off(model))
         deep = None
-        if copies is not None and len(regions.find_blocks(model, request.block_types)) > sum(
-            EDGES.copies
+        if (
+            copies is not None
+            and loss is None
+            and len(regions.find_blocks(model, request.block_types)) > sum(EDGES.copies)
         ):
             try:
                 deep = stack.enter_context(
@@ -98,7 +115,7 @@ def native_dynamic(
                 )
             except FitError as e:
                 _no_match(request, e)
-        traced, problem = _analyzed(model, args, kwargs, request, profile)
+        traced, problem = _analyzed(model, args, kwargs, request, profile, loss)
         chosen = _plans(problem, plans, menus)
         if deep is not None:
             try:
@@ -109,7 +126,9 @@ def native_dynamic(
 
         def sample_at(b: int, s: int | None, name: str, policies: Sequence[Policy]) -> Sample:
             a, kw = inputs_at(args, kwargs, dims, b, s)
-            return sample_of(traced.trace(a, kw, policies))
+            at = loss_at(loss, (args, kwargs), a, kw)
+            target = None if at is None else at.target
+            return sample_of(traced.trace(a, kw, policies, target=target))
 
         dynamic = trace_dynamic(sample_at, chosen, dims, max_seq=request.max_seq,
                                 batch=batch, progress=progress, workers=request.workers)  # fmt: skip

@@ -723,18 +723,21 @@ class FakeModel:
         on block ``k`` and record it; on a pipeline stage, then one ``schedule.step()``,
         which sets the peak, unless ``schedule`` is false: one microbatch's step alone then,
         whose per-block quantities are the same at a tenth of the cost (8 microbatches).
-        ``target``: the last stage's microbatch target at these inputs' shape (default: the
-        one given at construction). ``schedule_events``: keep the schedule step's events
+        ``target``: the last stage's microbatch target at these inputs' shape, or the loss's
+        (default: the one given at construction). ``schedule_events``: keep the schedule step's events
         (:attr:`ScheduleTrace.events`, for fitting its peak over shapes; large at scale)."""
         where = where_measured_on(self.source_device, profile.name)
         recorder = self._new_recorder(profile)
         for p in self.module.parameters():
             p.grad = None
         fake_args, fake_kwargs = tc.tree_map(self._fake, (args, dict(kwargs)))
+        loss = self.loss
+        if loss is not None and target is not None:
+            loss = replace(loss, target=tc.tree_map(self._fake, target))
         if self.pipeline is not None:
             fake_args = self._stage_inputs(fake_args, fake_kwargs, autocast)
         if not self._warm and (self._sharded or (self.world is not None and self.pipeline is None)):
-            self._warm_up(fake_args, fake_kwargs, autocast, policy_of(profile.name))
+            self._warm_up(fake_args, fake_kwargs, autocast, policy_of(profile.name), loss)
         with contextlib.ExitStack() as stack:
             self._recording(stack, recorder, policies, kwargs)
 
@@ -750,7 +753,7 @@ class FakeModel:
                     autocast=autocast,
                     on_backward=backward_starts,
                     autocast_policy=policy_of(profile.name),
-                    loss=self.loss,
+                    loss=loss,
                 )
                 live_at_end = frozenset(recorder.names.values())
         missing = [self.blocks[k] for k in range(len(self.blocks)) if k not in recorder.fwd_live]
@@ -958,7 +961,14 @@ class FakeModel:
             recorder.unseen_peak,
         )
 
-    def _warm_up(self, args: Any, kwargs: Any, autocast: torch.dtype | None, policy: str) -> None:
+    def _warm_up(
+        self,
+        args: Any,
+        kwargs: Any,
+        autocast: torch.dtype | None,
+        policy: str,
+        loss: Loss | None = None,
+    ) -> None:
         """One unrecorded step: FSDP2 initialises lazily in its first forward (its unsharded
         parameter storages, kept and resized from then on), so the recorded steps are the
         steady ones a training run repeats."""
@@ -974,7 +984,7 @@ class FakeModel:
                 kwargs,
                 autocast=autocast,
                 autocast_policy=policy,
-                loss=self.loss,
+                loss=loss,
             )
         for p in self.module.parameters():
             p.grad = None
