@@ -506,22 +506,18 @@ def _plan(
     (:func:`remat.native.regions.outside_blocks`; on the blocks alone where those cannot be
     regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
     place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
-    that fits wins. Each pass runs the exact MILP first, and the chain DP as its fallback or
-    as a second opinion where its traces are cheap (:func:`planner.solve`). The request's
-    time limit covers both passes, their analyses included: the finer one has the time the
-    first left, where that covers what the first's analysis and MILP took (where the first
-    found no plan, the finer one has the whole limit again). Tracing and the MILP's
-    lifetimes do not stop at the limit, so a call can run over it by a few traces. Fixed
-    plans are the blocks'."""
+    that fits wins, on steps of up to :data:`FINER_PASS_EVENTS` events. Each pass runs the
+    exact MILP first, and the chain DP as its fallback or as a second opinion where its
+    traces are cheap (:func:`planner.solve`). Which passes and solvers run depends on the
+    model and the budget, never on the clock: the time limit is each solver's safety net.
+    Fixed plans are the blocks'."""
     plan = req.plan
-    analysis_s = 0.0  # the model's own analysis (a copy's is cheaper)
     first: FakeModel | None = None  # the model's first copy, which a finer pass reuses
 
     def on(
         regions_: tuple[str, ...], of: nn.Module = model, units: tuple[str, ...] = blocks
     ) -> Analyzed:
-        nonlocal analysis_s, first
-        t = time.perf_counter()
+        nonlocal first
         traced, problem = analyze(
             of,
             regions_,
@@ -535,7 +531,6 @@ def _plan(
             loss=loss,
         )
         if of is model and first is None:
-            analysis_s = time.perf_counter() - t
             first = traced.fake
         uniform = None
         if stage is None and not traced.fake.real:  # a stack of blocks, else None
@@ -562,39 +557,24 @@ def _plan(
     outside = regions.outside_blocks(model, blocks)
 
     def solved(
-        regions_: tuple[str, ...],
-        deadline: float,
-        analyzed: Analyzed | None = None,
-        standing: bool = False,
+        regions_: tuple[str, ...], analyzed: Analyzed | None = None
     ) -> tuple[planner.NativeProblem, planner.Solution]:
-        """The plan on ``regions_``, its analysis counted in the time until ``deadline``
-        (``standing``: a plan from the blocks' pass stands)."""
+        """The plan on ``regions_``, each solver with the request's time limit as its
+        safety net."""
         problem, tracer, uniform = analyzed or on(regions_)
-        left = deadline - time.perf_counter()
-        if left < config.time_limit_s * MIN_SOLVE_SHARE:
-            # The analyses took the time limit: the solvers still get a share of it, not 0.
-            progress(
-                f"native: the analyses took {config.time_limit_s - left:.0f} s of the "
-                f"{config.time_limit_s:g}-s time limit; solving in "
-                f"{config.time_limit_s * MIN_SOLVE_SHARE:.0f} s more"
-            )
-            left = config.time_limit_s * MIN_SOLVE_SHARE
         return problem, planner.solve(
             problem,
             tracer,
             budget_bytes=step_budget,
-            config=replace(config, time_limit_s=left),
+            config=config,
             solver=solver,
             uniform=uniform,
             milp_first=True,
-            standing=standing,
         )
 
     best: tuple[planner.NativeProblem, planner.Solution] | None = None
     error: BudgetError | None = None
     analyzed: Analyzed | None = None
-    t0 = time.perf_counter()
-    deadline = t0 + config.time_limit_s
     try:
         if outside:
             outside, analyzed = _worth_a_region(on, model, blocks, outside, progress, stage)
@@ -602,7 +582,7 @@ def _plan(
         progress(f"native: the modules outside the blocks cannot be regions ({e})")
         outside = ()
     try:
-        best = solved(blocks + outside, deadline, analyzed)
+        best = solved(blocks + outside, analyzed)
     except BudgetError as e:
         error = e
     split = regions.split_blocks(model, blocks)
@@ -610,35 +590,23 @@ def _plan(
         return _best(best, error)
     if best is not None and best[1].trace.recompute_time_s == 0:
         return best
-    left = deadline - time.perf_counter()
-    # The finer pass analyzes the step again and runs the MILP on a finer dataflow: at least
-    # what those took on the blocks.
-    need = analysis_s + (best[1].milp_s if best is not None else 0.0)
-    if best is not None and left < need:
+    events = len(best[0].baseline.events) if best is not None else 0
+    if best is not None and events > FINER_PASS_EVENTS:
+        # A count, not the time left: the plan must not depend on the machine's load.
         progress(
-            f"native: the time left ({max(left, 0):.0f} s of {config.time_limit_s:g}) is less "
-            f"than the blocks' analysis and MILP took ({need:.0f} s): their sub-modules are "
-            "not planned (a longer time limit plans them too)"
+            f"native: the step has {events:,} events (more than {FINER_PASS_EVENTS:,}): the "
+            "blocks' sub-modules are not planned, the blocks' plan stands"
         )
         return best
     progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
     try:
-        # With the blocks' plan in hand, the finer pass has the time left. Without one, it
-        # is a second chance at any plan and has the whole time limit.
-        finer, solution = (
-            solved(split + outside, deadline, standing=True)
-            if best is not None
-            else solved(split + outside, time.perf_counter() + config.time_limit_s)
-        )
+        finer, solution = solved(split + outside)
     except BudgetError as e:
         if error is None or e.least_peak_bytes < error.least_peak_bytes:
             error = e
         return _best(best, error)
     except TraceError as e:  # a sub-module the step does not call, say: the blocks' plan
         progress(f"native: the sub-modules cannot be regions ({e})")
-        return _best(best, error)
-    except planner.OutOfTime as e:
-        progress(f"native: the sub-modules: {e}; the blocks' plan stands")
         return _best(best, error)
     solution = replace(
         solution, reason=f"regions: the blocks' {len(split)} sub-modules; {solution.reason}"
@@ -648,9 +616,10 @@ def _plan(
     return best
 
 
-MIN_SOLVE_SHARE = 0.1
-"""The least share of the time limit a pass's solvers get, however long its analyses took
-(a time limit of 0 is no solve at all)."""
+FINER_PASS_EVENTS = 20_000
+"""Events of the blocks' eager step above which the finer pass (each block's sub-modules as
+regions) is not run: it traces the step again with several times the regions and solves a
+finer MILP. A count, so that the plan never depends on the machine's load."""
 
 
 def uniform_costs(

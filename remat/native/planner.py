@@ -78,12 +78,20 @@ COVERAGE = (0.99, 0.95, 0.9, 0.8, 0.65, 0.5, 0.35, 0.2)
 by 16-28% against four (0.99, 0.95, 0.8, 0.5) in about the same planning time (11-14 s), and
 by more than thirteen levels did (the chain DP's grid lands elsewhere with other menus)."""
 GRID_POINTS = 6
-"""Budgets between the least and the keep-all peaks the DP is also solved at."""
+"""Budgets between the least and the keep-all peaks the DP is also solved at..."""
+GRID_EVENTS = 100_000
+"""...where their traces are short: the grid's budgets times the events of one step at most
+this (here about 30 s of traces). Beyond, the DP is solved at the budget alone (and the
+per-block family traced, :func:`_per_block_contenders`): a count, so that the plan does not
+depend on how fast the machine traces."""
 DP_ROUNDS = 12
 """DP solves per budget, each for a smaller budget, until the traced plan fits."""
-SECOND_OPINION_S = 5.0
-"""Seconds of traces the chain DP may always take after the MILP found a plan (with
-``milp_first``): on models small enough for its traces to take less, it runs as well."""
+SECOND_OPINION_EVENTS = 16_000
+"""Events the chain DP may trace on the model (options x events of one step) after the
+MILP found a plan (with ``milp_first``): a count, not seconds, so that whether it runs
+depends on the model and never on the machine's load (here about 5 s of traces, the
+torchtitan debug model's 10 options of 1,081 events taking 3.7 s). Where shallow copies
+cost the options, it always runs: its traces on the model are then a few."""
 
 NATIVE_PLANS = ("keep_all", "keep_matmuls", "torchtitan_op", "block")
 """Fixed native plans: every block eager; every block keeping the outputs of its ops with
@@ -299,9 +307,6 @@ class Solution:
     """What is proven about the plan (:class:`remat.solver.plan.Proof`)."""
     options: tuple[str, ...] = ()
     """Per block, the name of the menu option chosen (for reports)."""
-    milp_s: float = 0.0
-    """Seconds ``auto``'s exact MILP took in the pass that chose this plan, its traces
-    included (what a finer pass needs at least)."""
 
 
 class Tracer(Protocol):
@@ -375,7 +380,6 @@ def solve(
     solver: str = "auto",
     uniform: UniformCosts | None = None,
     milp_first: bool = False,
-    standing: bool = False,
 ) -> Solution:
     """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring).
     ``solver``: ``auto``, or one of remat's solvers, which plan on the step's dataflow for
@@ -383,16 +387,17 @@ def solve(
     on shallow copies of a deep stack (:mod:`remat.native.shallow`), where it has one.
 
     ``milp_first``: the exact MILP first; the chain DP is then its fallback, and a second
-    opinion only where cheap: where the MILP found a plan, the chain DP runs only where its
-    traces fit in the time left and take no longer than the MILP did or than
-    :data:`SECOND_OPINION_S`. Why: on a 7B Llama at 40 GB the chain DP's traces took 13 s
-    (blocks) and 27 s (sub-modules) to find 7.79 and 6.95 ms of recompute, against the
-    MILPs' 5.35 and 1.68 ms found in 6 s each. Where the MILP found none, the chain DP
-    runs however long it takes, unless a plan ``standing`` from an earlier pass makes this
-    one optional: then only where its traces fit in the time left (:class:`OutOfTime`
-    where neither solver gives a plan)."""
+    opinion where cheap: where shallow copies cost its options, or where its traces on the
+    model are few and short (:data:`SECOND_OPINION_EVENTS`). Why: on a 7B Llama at 40 GB the
+    chain DP's traces took 13 s (blocks) and 27 s (sub-modules) to find 7.79 and 6.95 ms of
+    recompute, against the MILPs' 5.35 and 1.68 ms found in 6 s each; at 70B the MILP's
+    fixed lifetimes gave a plan recomputing every layer (17% of the step) where the chain
+    DP's fit the budget's room (:func:`_per_block_contenders`). Which solvers run depends on
+    the model, never on the clock."""
     if solver != "auto":
         return planned(problem, tracer, solver, budget_bytes=budget_bytes, config=config)
+    # Every decision below is the model's and the budget's; the time limit is a safety net
+    # whose expiry the reason reports (the same request gives the same plan on every rank).
     if budget_bytes is None:
         return fixed(problem, "keep_all", tracer)
     if problem.baseline.peak_bytes <= budget_bytes:  # nothing to recompute: nothing is cheaper
@@ -402,78 +407,39 @@ def solve(
             (None,) * n, problem.baseline, "auto", reason, Proof.OPTIMAL, ("eager",) * n
         )
     t0 = time.perf_counter()
-    deadline = t0 + config.time_limit_s
-    timed = _Timed(tracer)
     chain: Solution | BudgetError | None = None
-    traced = 0
+    traced, other = 0, "the chain DP"
     if not milp_first:
-        chain, traced = _chain(problem, timed, budget_bytes, config, deadline, uniform)
-    t_milp = time.perf_counter()
-    milp = _milp(problem, timed, budget_bytes, config, deadline)
-    milp_s = time.perf_counter() - t_milp
+        chain, traced = _chain(problem, tracer, budget_bytes, config, uniform)
+    milp = _milp(problem, tracer, budget_bytes, config)
     if milp_first:
         n_opts = menus_of(problem)[2]
-        estimate = timed.estimate(n_opts)
-        why = ""
-        if (milp is not None or standing) and estimate > deadline - time.perf_counter():
-            why = "do not fit in the time left"
-        elif milp is not None and estimate > max(milp_s, SECOND_OPINION_S):
-            why = f"would take longer than the MILP whose plan stands ({milp_s:.0f} s)"
-        if not why:
-            chain, traced = _chain(
-                problem,
-                timed,
-                budget_bytes,
-                config,
-                deadline,
-                uniform,
-                abandon=milp is not None or standing,
-            )
-        elif config.progress:
-            config.progress(
-                f"native: the chain DP's {n_opts} traces (~{estimate:.0f} s) {why}: not run"
-            )
-    chosen = _cheaper(chain, milp, traced, f"{time.perf_counter() - t0:.1f} s")
-    return dataclasses.replace(chosen, milp_s=milp_s)
-
-
-class OutOfTime(Exception):
-    """A pass with a plan standing from an earlier one found no plan with the MILP, and had
-    no time for the chain DP (the earlier plan stands)."""
-
-
-class _Timed:
-    """A tracer that remembers how long its traces took (to tell whether more fit)."""
-
-    def __init__(self, tracer: Tracer) -> None:
-        self.tracer = tracer
-        self.took: list[float] = []
-
-    def __call__(self, policies: Sequence[Policy], schedule: bool = True) -> StepTrace:
-        t = time.perf_counter()
-        trace = self.tracer(policies, schedule)
-        self.took.append(time.perf_counter() - t)
-        return trace
-
-    def estimate(self, n: int) -> float:
-        """Seconds ``n`` more traces take at least (0 before the first): the fastest so far
-        (a plan that recomputes more traces longer); the caller gives up once it is late."""
-        return n * min(self.took, default=0.0)
+        work = n_opts * len(problem.baseline.events)
+        shallow = uniform is not None and len(problem.blocks) >= MIN_REGIONS
+        if milp is None or shallow or work <= SECOND_OPINION_EVENTS:
+            chain, traced = _chain(problem, tracer, budget_bytes, config, uniform)
+        else:
+            if config.progress:
+                config.progress(
+                    f"native: the chain DP's {n_opts} traces of "
+                    f"{len(problem.baseline.events):,} events each (more than "
+                    f"{SECOND_OPINION_EVENTS:,} in all): not run; the per-block family "
+                    "instead, by bisection"
+                )
+            chain, traced = _per_block(problem, tracer, budget_bytes)
+            other = "the per-block family"
+    return _cheaper(chain, milp, traced, f"{time.perf_counter() - t0:.1f} s", other)
 
 
 def _milp(
-    problem: NativeProblem, tracer: Tracer, budget_bytes: int, config: SolverConfig, deadline: float
+    problem: NativeProblem, tracer: Tracer, budget_bytes: int, config: SolverConfig
 ) -> Solution | None:
-    """The exact MILP's traced plan with the time left, or None (none fits, no time, or a
-    dataflow beyond its model)."""
-    left = deadline - time.perf_counter()
-    if left <= 0:
-        return None
+    """The exact MILP's traced plan (its time limit the request's, whatever ran before), or
+    None (none fits, or a dataflow beyond its model)."""
     progress = config.progress or (lambda _: None)
     progress("native: the exact MILP on the step's dataflow (sac executor)")
-    milp_config = dataclasses.replace(config, time_limit_s=left)
     try:
-        return planned(problem, tracer, "exact", budget_bytes=budget_bytes, config=milp_config)
+        return planned(problem, tracer, "exact", budget_bytes=budget_bytes, config=config)
     except BudgetError:
         return None
     except SecondCopyError as e:
@@ -482,17 +448,21 @@ def _milp(
 
 
 def _cheaper(
-    chain: Solution | BudgetError | None, milp: Solution | None, traced: int, took: str
+    chain: Solution | BudgetError | None,
+    milp: Solution | None,
+    traced: int,
+    took: str,
+    other: str = "the chain DP",
 ) -> Solution:
-    """The cheaper of the chain DP's and the MILP's traced plans (the chain DP's on a tie),
-    its reason saying what the other gave."""
+    """The cheaper of ``other``'s (the chain DP's, or the per-block family's) and the MILP's
+    traced plans (``other``'s on a tie), its reason saying what the other gave."""
     if not isinstance(chain, Solution):
         if milp is None:
-            if chain is None:
-                raise OutOfTime("neither the exact MILP nor the chain DP found a plan in the time")
+            assert chain is not None, "the chain DP runs wherever the MILP found no plan"
             raise chain from None  # one least peak per error, not a chain of them
-        no_chain = "no chain DP plan fits" if chain is not None else "the chain DP did not run"
-        return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {no_chain}; {took}")
+        return dataclasses.replace(
+            milp, solver="auto", reason=f"{milp.reason}; no plan of {other} fits; {took}"
+        )
     if milp is None or _cost(milp) >= _cost(chain):
         also = (
             f"; the exact MILP's plan was not cheaper ({_ms(milp)} against {_ms(chain)} of "
@@ -501,7 +471,7 @@ def _cheaper(
             else ""
         )
         return dataclasses.replace(chain, reason=f"{chain.reason}{also}; {took}")
-    why = f"{_ms(milp)} of recompute against the chain DP's best, {_ms(chain)} ({traced} traced)"
+    why = f"{_ms(milp)} of recompute against {other}'s best, {_ms(chain)} ({traced} traced)"
     return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {why}; {took}")
 
 
@@ -518,14 +488,13 @@ def _chain(
     tracer: Tracer,
     budget_bytes: int,
     config: SolverConfig,
-    deadline: float,
     uniform: UniformCosts | None = None,
-    abandon: bool = False,
-) -> tuple[Solution | BudgetError | None, int]:
+) -> tuple[Solution | BudgetError, int]:
     """The chain DP's cheapest traced plan that fits (or the error saying none does), and
-    how many plans it traced. ``abandon``: None where the deadline passes before its costs
-    are traced (a second solver's run, the first's plan in hand)."""
+    how many plans it traced. Its time limit is a safety net: where it cuts the DP's
+    budgets short, the reason says so."""
     t0 = time.perf_counter()
+    deadline = t0 + config.time_limit_s
     n = len(problem.blocks)
     options_of, n_classes, n_opts = menus_of(problem)
     progress = config.progress or (lambda _: None)
@@ -548,12 +517,7 @@ def _chain(
         least = min(peak for _, peak in shallow)
     elif schedule is None:
         progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
-        traces = []
-        for o in range(n_opts):
-            if abandon and time.perf_counter() > deadline:
-                progress("native: the time limit came before the chain DP's costs: not run")
-                return None, len(found) - 1
-            traces.append(run([o] * n))
+        traces = [run([o] * n) for o in range(n_opts)]
         table = [costs(t) for t in traces]
         least = min(t.peak_bytes for t in traces)
     else:
@@ -567,11 +531,22 @@ def _chain(
     grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
     # The budget's own plan first: the one that matters when the time limit cuts the rest.
     best = functools.partial(_least_fitting, found, budget_bytes)
-    for i, target in enumerate([budget_bytes] + [g for g in grid if g < budget_bytes]):
+    targets = [budget_bytes] + [g for g in grid if g < budget_bytes]
+    events = len(problem.baseline.events)
+    if events * GRID_POINTS > GRID_EVENTS:
+        progress(f"native: {events:,} events a step: the DP at the budget alone, no grid")
+        targets = targets[:1]
+    cut = ""
+    for i, target in enumerate(targets):
         if i and time.perf_counter() > deadline:
-            progress("native: time limit reached; keeping the plans traced so far")
+            cut = (
+                f"; the time limit cut the DP after {i} of {len(targets)} budgets (a safety "
+                "net: a longer time_limit_s plans the rest)"
+            )
+            progress(f"native: time limit reached{cut}")
             break
         _fit(table, target, n, run, best)
+    _per_block_contenders(table, n, n_opts, budget_bytes, run)
     if schedule is not None:
         _misjudged(table, n, n_opts, budget_bytes, found, run)
     if shallow is not None:
@@ -591,7 +566,7 @@ def _chain(
     )
     reason = (
         f"chain DP over {n} regions ({n_opts} options per class, {traced} plans traced "
-        f"on FakeTensors{copies}): {summary}"
+        f"on FakeTensors{copies}): {summary}{cut}"
     )
     chosen = Solution(
         tuple(_policies(options_of, choice)),
@@ -655,6 +630,64 @@ def _uniform_contenders(
             run([o] * n)
     if not any(t.peak_bytes <= budget_bytes for t in found.values()):
         run([min(range(len(rows)), key=lambda o: rows[o][1])] * n)
+
+
+def _per_block(
+    problem: NativeProblem, tracer: Tracer, budget_bytes: int
+) -> tuple[Solution | None, int]:
+    """The cheapest plan that fits of Megatron's per-block family (the first ``N`` blocks
+    recomputed whole, the rest eager; ``recompute_num_layers``), ``N`` found by bisection
+    (a peak that falls as blocks are recomputed): where the chain DP does not run, ``auto``
+    is still never worse than it. None where no ``N`` fits."""
+    every = fixed_policies(problem, "block")
+    n = len(every)
+    traces: dict[int, StepTrace] = {0: problem.baseline}
+
+    def trace(k: int) -> StepTrace:
+        if k not in traces:
+            traces[k] = tracer(tuple(every[:k]) + (None,) * (n - k))
+        return traces[k]
+
+    if trace(n).peak_bytes > budget_bytes:
+        return None, len(traces) - 1
+    lo, hi = 0, n  # lo does not fit, hi does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if trace(mid).peak_bytes <= budget_bytes else (mid, hi)
+    names = ("recompute all",) * hi + ("eager",) * (n - hi)
+    reason = (
+        f"Megatron's per-block family: the first {hi} of {n} blocks recomputed whole, the "
+        f"rest eager ({len(traces) - 1} plans traced by bisection)"
+    )
+    policies = tuple(every[:hi]) + (None,) * (n - hi)
+    return Solution(policies, trace(hi), "auto", reason, Proof.HEURISTIC, names), len(traces) - 1
+
+
+PER_BLOCK_TRACES = 4
+"""Traces of the per-block family past the one the chain model picks (each one more block
+recomputed), where the model's peak was low."""
+
+
+def _per_block_contenders(
+    table: list[ChainCosts],
+    n: int,
+    n_opts: int,
+    budget_bytes: int,
+    run: Callable[[Sequence[int]], StepTrace],
+) -> None:
+    """Trace the cheapest of Megatron's per-block family that fits: the first ``N`` blocks
+    recomputed whole, the others eager (``recompute_num_layers``). The DP's search holds
+    this family, but its budgets may step over the one plan of it that fits; traced here,
+    ``auto`` is never worse than it (up to :data:`PER_BLOCK_TRACES` blocks misjudged)."""
+    every = n_opts - 1  # each class's last option: recompute all
+
+    def family(k: int) -> list[int]:
+        return [every] * k + [0] * (n - k)
+
+    modelled = next((k for k in range(n + 1) if chain_peak(table, family(k)) <= budget_bytes), n)
+    for k in range(modelled, min(n, modelled + PER_BLOCK_TRACES) + 1):
+        if run(family(k)).peak_bytes <= budget_bytes:
+            return
 
 
 def _least_fitting(found: Mapping[tuple[int, ...], StepTrace], budget_bytes: int) -> float:

@@ -6,7 +6,6 @@ first in a second pass, and ``remat.apply``'s time limit shared by its two passe
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -92,8 +91,8 @@ def test_skipping_choices_costlier_than_a_fitting_plan_leaves_the_answer(
         budget = least + (most - least) * i // 5
         with monkeypatch.context() as m:  # the search without the skip
             m.setattr(planner, "_fit", lambda *a: fit(*a[:4], lambda: math.inf))
-            whole, traced_all = planner._chain(problem, tracer, budget, config, math.inf)
-        screened, traced = planner._chain(problem, tracer, budget, config, math.inf)
+            whole, traced_all = planner._chain(problem, tracer, budget, config)
+        screened, traced = planner._chain(problem, tracer, budget, config)
         assert isinstance(whole, planner.Solution) and isinstance(screened, planner.Solution)
         assert screened.options == whole.options
         assert screened.trace.peak_bytes == whole.trace.peak_bytes <= budget
@@ -102,57 +101,47 @@ def test_skipping_choices_costlier_than_a_fitting_plan_leaves_the_answer(
     assert skipped > 0
 
 
-def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_only_with_time(
+def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_where_cheap(
     analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``milp_first`` (``remat.apply``'s passes): where the chain DP's traces are cheap, the
-    plan is the one of the chain DP first; where they take longer than the MILP did, or do
-    not fit in the time left, or the limit passes while it traces its costs, the MILP's plan
-    stands; where the MILP found none, the chain DP's plan, however long it takes, unless an
-    earlier pass's plan stands (then :class:`planner.OutOfTime` where its traces do not
-    fit). The estimates are forced: the clock decides nothing here."""
+    """``milp_first`` (``remat.apply``'s passes): where the chain DP's traces are few
+    (:data:`planner.SECOND_OPINION_EVENTS`), the plan is the one of the chain DP first;
+    where they are more, the MILP's plan stands and the progress says why; where the MILP
+    found none, the chain DP's. A count decides, never the clock."""
     problem, tracer, _ = analyzed
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
     config = SolverConfig(time_limit_s=NO_LIMIT)
     first = planner.solve(problem, tracer, budget_bytes=budget, config=config)
-    monkeypatch.setattr(planner._Timed, "estimate", lambda self, n: 0.0)
     milp_first = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
     assert milp_first.policies == first.policies
     assert milp_first.trace.recompute_time_s == first.trace.recompute_time_s  # estimated
     seen: list[str] = []
     config = SolverConfig(time_limit_s=NO_LIMIT, progress=seen.append)
-    monkeypatch.setattr(planner._Timed, "estimate", lambda self, n: NO_LIMIT / 2)
+    monkeypatch.setattr(planner, "SECOND_OPINION_EVENTS", 0)
     alone = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
-    assert "the chain DP did not run" in alone.reason
-    assert any("would take longer than the MILP whose plan stands" in line for line in seen)
+    assert "per-block family" in alone.reason
+    assert any("not run; the per-block family instead" in line for line in seen)
     assert alone.trace.peak_bytes <= budget
-    milp = planner._milp
     monkeypatch.setattr(planner, "_milp", lambda *args: None)
     fallback = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
-    chain, _ = planner._chain(problem, tracer, budget, config, math.inf)
+    chain, _ = planner._chain(problem, tracer, budget, config)
     assert isinstance(chain, planner.Solution)
     assert fallback.policies == chain.policies and fallback.reason.startswith("chain DP")
-    monkeypatch.setattr(planner, "_milp", milp)
-    seen.clear()
-    monkeypatch.setattr(planner._Timed, "estimate", lambda self, n: math.inf)
-    alone = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
-    assert "the chain DP did not run" in alone.reason
-    assert any("do not fit in the time left: not run" in line for line in seen)
-    # Started (the estimate is a lower bound), the chain DP gives up once the limit passes.
-    seen.clear()
-    late = planner._chain(problem, tracer, budget, config, -math.inf, abandon=True)
-    assert late == (None, 0)
-    assert seen[-1] == "native: the time limit came before the chain DP's costs: not run"
-    # Without a plan from the MILP: the chain DP's, however long it takes, unless an
-    # earlier pass's plan stands.
-    monkeypatch.setattr(planner, "_milp", lambda *args: None)
-    needed = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
-    assert needed.policies == chain.policies
-    with pytest.raises(planner.OutOfTime):
-        planner.solve(
-            problem, tracer, budget_bytes=budget, config=config, milp_first=True, standing=True
-        )
+
+
+def test_the_chain_dp_s_time_limit_is_a_safety_net_it_reports(
+    analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the limit passes, the DP keeps what it traced and its reason says so; a plan
+    of the per-block family that fits is among them (traced after the DP's budgets)."""
+    problem, tracer, _ = analyzed
+    least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
+    budget = (least + problem.baseline.peak_bytes) // 2
+    monkeypatch.setattr(planner, "time", _Ticking())
+    chain, _ = planner._chain(problem, tracer, budget, SolverConfig(time_limit_s=1.5))
+    assert isinstance(chain, planner.Solution) and chain.trace.peak_bytes <= budget
+    assert "the time limit cut the DP after 1 of" in chain.reason
 
 
 class _Ticking:
@@ -166,16 +155,17 @@ class _Ticking:
         return self.now
 
 
-def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``remat.apply``'s passes run the MILP first; its time limit covers both passes and
-    their analyses: the sub-modules' pass is given what the blocks' left, their plan
-    standing; it is skipped where that is less than the blocks' analysis and MILP took."""
-    calls: list[tuple[float, bool]] = []
+def test_apply_s_passes_do_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``remat.apply``'s passes (the blocks', then their sub-modules') each solve with the
+    request's time limit, however long the other took: a clock that jumps one second at each
+    look plans what an idle machine does. The finer pass is skipped only by its count of
+    events (:data:`native_api.FINER_PASS_EVENTS`), and the progress says so."""
+    calls: list[float] = []
     solve = planner.solve
 
     def spy(*args: Any, **kwargs: Any) -> planner.Solution:
         assert kwargs["milp_first"]
-        calls.append((kwargs["config"].time_limit_s, kwargs["standing"]))
+        calls.append(kwargs["config"].time_limit_s)
         return solve(*args, **kwargs)
 
     monkeypatch.setattr(planner, "solve", spy)
@@ -187,24 +177,48 @@ def test_apply_s_finer_pass_has_the_time_the_blocks_left(monkeypatch: pytest.Mon
         for p in ("block", "keep_all")
     )
     budget = (least + most) // 2
-    # remat.apply's clock reads one second later at each look: the limits the passes get
-    # follow from the order of the call's steps, not from how fast this machine runs them.
+
+    def planned() -> remat.Plan:
+        calls.clear()
+        work = copy.deepcopy(model)
+        remat.apply(work, args, activation_budget_bytes=budget, time_limit_s=600)
+        assert calls == [600, 600]
+        return remat.plan_of(work)
+
+    idle = planned()
     monkeypatch.setattr(native_api, "time", _Ticking())
-    calls.clear()
-    remat.apply(copy.deepcopy(model), args, activation_budget_bytes=budget, time_limit_s=NO_LIMIT)
-    (blocks, first), (finer, second) = calls
-    # The limit counts from the call, not from the end of each pass's analysis.
-    assert blocks < NO_LIMIT and not first
-    assert 0 < finer < blocks and second  # what the first pass left, its plan standing
-
-    def slow(*args: Any, **kwargs: Any) -> planner.Solution:  # a MILP that took the limit
-        return dataclasses.replace(spy(*args, **kwargs), milp_s=NO_LIMIT)
-
-    monkeypatch.setattr(planner, "solve", slow)
+    monkeypatch.setattr(planner, "time", _Ticking())
+    ticking = planned()
+    assert ticking.saved == idle.saved
+    assert ticking.predicted_peak_bytes == idle.predicted_peak_bytes
+    monkeypatch.setattr(native_api, "FINER_PASS_EVENTS", 0)
     calls.clear()
     seen: list[str] = []
-    remat.apply(
-        model, args, activation_budget_bytes=budget, time_limit_s=NO_LIMIT, progress=seen.append
-    )
+    remat.apply(model, args, activation_budget_bytes=budget, time_limit_s=600, progress=seen.append)
     assert len(calls) == 1
-    assert any("their sub-modules are not planned" in line for line in seen)
+    assert any("the blocks' sub-modules are not planned" in line for line in seen)
+
+
+@pytest.mark.parametrize("chain_dp", [True, False], ids=["chain_dp", "milp_and_bisection"])
+def test_auto_is_never_worse_than_megatron_s_per_block_family(
+    analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch, chain_dp: bool
+) -> None:
+    """At every budget between every block recomputed and none, ``auto`` (the MILP first,
+    as ``remat.apply`` runs it) recomputes no more than the cheapest plan of the per-block
+    family that fits (the first N blocks recomputed whole, the rest eager), whether the
+    chain DP runs or, on a step too long for its traces, the family is bisected."""
+    problem, tracer, _ = analyzed
+    if not chain_dp:
+        monkeypatch.setattr(planner, "SECOND_OPINION_EVENTS", 0)
+    every = planner.fixed_policies(problem, "block")
+    n = len(problem.blocks)
+    family = [tracer(tuple(every[:k]) + (None,) * (n - k)) for k in range(n + 1)]
+    config = SolverConfig(time_limit_s=NO_LIMIT)
+    least, most = family[-1].peak_bytes, problem.baseline.peak_bytes
+    for budget in (least + (most - least) * i // 5 for i in range(1, 5)):
+        megatron = min(t.recompute_time_s for t in family if t.peak_bytes <= budget)
+        bisected, _ = planner._per_block(problem, tracer, budget)
+        assert bisected is not None and bisected.trace.recompute_time_s == megatron
+        auto = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+        assert auto.trace.peak_bytes <= budget
+        assert auto.trace.recompute_time_s <= megatron * (1 + 1e-9), budget

@@ -5,7 +5,6 @@ and a model the copies cannot stand for is traced itself."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -64,9 +63,7 @@ def test_uniform_plans_costed_on_copies_are_the_models_and_so_is_the_answer(
     budget = (min(t.peak_bytes for t in traces) + problem.baseline.peak_bytes) // 2
 
     config = SolverConfig()
-    whole, copies = (
-        planner._chain(problem, tracer, budget, config, math.inf, u)[0] for u in (None, uniform)
-    )
+    whole, copies = (planner._chain(problem, tracer, budget, config, u)[0] for u in (None, uniform))
     assert isinstance(whole, planner.Solution) and isinstance(copies, planner.Solution)
     assert copies.options == whole.options and copies.policies == whole.policies
     assert copies.trace.peak_bytes == whole.trace.peak_bytes <= budget
