@@ -4,9 +4,10 @@ A profile is a peak matmul throughput per dtype, a memory bandwidth and a fixed 
 overhead; an op's time is ``max(flops / peak, bytes moved / bandwidth) + overhead``. Only
 relative times matter to the solvers (recompute time vs step time), which a roofline gets right
 to first order. GPU figures are the vendors' dense spec-sheet peaks (each profile names its
-source); Ascend NPUs add a GEMM efficiency below NVIDIA's. ``cpu`` is calibrated on
-this machine by a short micro-benchmark (single-threaded, as per-node timings are only stable
-that way on small machines).
+source); Ascend NPUs add a GEMM efficiency below NVIDIA's. ``cpu`` is one reference core
+(:data:`CPU`), pinned so that a plan never moves with the machine's load;
+:func:`calibrate_cpu` measures this machine's instead (single-threaded, as per-node timings
+are only stable that way on small machines), to pass as ``device_profile=``.
 """
 
 from __future__ import annotations
@@ -138,12 +139,26 @@ def auto_profile_name(device: torch.device) -> str:
     )
 
 
+CPU = DeviceProfile(
+    "cpu",
+    {"float32": 103e9, "bfloat16": 103e9 / 4, "float16": 103e9 / 4},
+    47e9,
+    op_overhead_s=3.3e-6,
+    notes=(
+        "one reference core (an AMD EPYC), pinned: calibrate_cpu() on an idle 2-core "
+        "machine, 1 thread, measured 102.7-102.9 GFLOP/s fp32, 45-50 GB/s and 3.2-3.3 us per op"
+    ),
+)
+"""The ``cpu`` profile. Pinned, not measured per process: calibration under load gave other
+costs (its bandwidth moved by 10% between idle runs), and so other plans, on ranks of one job."""
+
+
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:
-    """A profile by name (``cpu`` is measured on first use), or a custom one passed through."""
+    """A profile by name (``cpu``: :data:`CPU`), or a custom one passed through."""
     if isinstance(name, DeviceProfile):
         return name
     if name == "cpu":
-        return calibrate_cpu()
+        return CPU
     try:
         return GPU_PROFILES[name]
     except KeyError:
@@ -155,7 +170,9 @@ def get_profile(name: str | DeviceProfile) -> DeviceProfile:
 
 @functools.cache
 def calibrate_cpu() -> DeviceProfile:
-    """Measure single-threaded matmul throughput and copy bandwidth (~0.3 s, once a process)."""
+    """This machine's single-threaded matmul throughput, copy bandwidth and per-op overhead
+    (~0.3 s, once a process): a profile to pass as ``device_profile=`` where costs should be
+    this CPU's; it moves with the machine's load, so plans made with it may too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

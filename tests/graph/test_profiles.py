@@ -68,3 +68,15 @@ def test_unknown_profile_lists_the_ascend_names() -> None:
 def test_matmul_efficiency_is_checked() -> None:
     with pytest.raises(ValueError, match="matmul_efficiency"):
         DeviceProfile("bad", {"float32": 1e12}, 1e11, matmul_efficiency=1.5)
+
+
+def test_the_cpu_profile_is_pinned_not_measured_per_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plans must not move with the machine's load: ``cpu`` is one reference core, whatever
+    this machine measures now; :func:`calibrate_cpu` is the measured one, on request."""
+    from remat.graph import profiles
+
+    monkeypatch.setattr(profiles, "calibrate_cpu", lambda: pytest.fail("measured"))
+    assert profiles.get_profile("cpu") is profiles.CPU
+    assert profiles.CPU.matmul_flops["float32"] > 0 and profiles.CPU.op_overhead_s > 0
