@@ -18,7 +18,7 @@ from remat.graph.joint import JointGraph, build_joint
 from remat.graph.loss import capture_loss, splice
 from remat.graph.problem import build_problem
 from remat.graph.profiles import DeviceProfile
-from remat.graph.scratch import output_bytes_of_graph, scratch_of_graph, where_measured
+from remat.graph.scratch import measure_graph, where_measured
 from remat.meter import Loss
 from remat.planfile import plan_from_file
 from remat.problem import Problem
@@ -120,8 +120,9 @@ def _scratch(
     where = where_measured(model, name)
     if where is None:
         return {}, {}, f"not measured ({_why_not(model, name)}): counts 0"
-    gm = joint.graph_module
-    return scratch_of_graph(gm), output_bytes_of_graph(gm), where
+    measured = measure_graph(joint.graph_module)  # one measurement, both figures
+    scratch = {n: s for n, (s, _) in measured.items() if s}
+    return scratch, {n: held for n, (_, held) in measured.items()}, where
 
 
 def _why_not(model: nn.Module, profile: str) -> str:

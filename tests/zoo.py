@@ -340,3 +340,16 @@ class StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
         return grad
+
+
+class Stack(nn.Module):
+    """``n`` blocks made by ``block``, in a ModuleList named ``blocks``, applied in turn."""
+
+    def __init__(self, block: Callable[[], nn.Module], n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x

@@ -37,8 +37,6 @@ __all__ = [
     "measure_calls",
     "measure_graph",
     "measure_scratch",
-    "output_bytes_of_graph",
-    "scratch_of_graph",
     "where_measured",
     "where_measured_on",
 ]
@@ -242,22 +240,12 @@ def measure_calls(calls: Sequence[Call]) -> list[tuple[int, int]]:
     return [_CACHE[k] for k in keys]
 
 
-def scratch_of_graph(graph_module: torch.fx.GraphModule) -> dict[str, int]:
-    """Scratch bytes of every ATen op node of a captured graph (FakeTensor metadata), by node
-    name; nodes without any are left out."""
-    return {n: scratch for n, (scratch, _) in measure_graph(graph_module).items() if scratch}
-
-
-def output_bytes_of_graph(graph_module: torch.fx.GraphModule) -> dict[str, int]:
-    """Bytes the outputs of every ATen op node of a captured graph hold as the device's
-    kernel made them, by node name. Why: a kernel may return a tensor viewing a larger
-    buffer than its shape needs (CPU ``mse_loss`` and ``smooth_l1_loss`` return a scalar
-    viewing the elementwise losses), which the FakeTensor's storage does not show."""
-    return {n: held for n, (_, held) in measure_graph(graph_module).items()}
-
-
 def measure_graph(graph_module: torch.fx.GraphModule) -> dict[str, tuple[int, int]]:
-    """(scratch, output bytes) of every ATen op node, by name (cached per signature)."""
+    """(scratch, output bytes) of every ATen op node of a captured graph, by node name
+    (cached per signature). Output bytes are what the outputs hold as the device's kernel
+    made them: a kernel may return a tensor viewing a larger buffer than its shape needs
+    (CPU ``mse_loss`` and ``smooth_l1_loss`` return a scalar viewing the elementwise
+    losses), which the FakeTensor's storage does not show."""
     names: list[str] = []
     calls: list[Call] = []
     for node in graph_module.graph.nodes:

@@ -14,7 +14,7 @@ from torch import nn
 
 import remat
 from tests.checks import assert_trains_like_eager
-from tests.zoo import StraightThrough
+from tests.zoo import Stack, StraightThrough
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,22 +75,11 @@ class _QuantBlock(nn.Module):
         return x + self.lin(StraightThrough.apply(torch.tanh(self.lin(x))))
 
 
-class _Quantized(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_QuantBlock() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
 def test_a_straight_through_estimator_trains_bitwise() -> None:
     """Its gradient is not its forward ops' (``round``'s is zero): the blocks' own backward
     runs, so every gradient is eager's, none zero."""
     torch.manual_seed(0)
     result = assert_trains_like_eager(
-        _Quantized(), (torch.randn(4, 16),), {}, native=True, plan="block"
+        Stack(_QuantBlock, 3), (torch.randn(4, 16),), {}, native=True, plan="block"
     )
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in result.module.parameters())

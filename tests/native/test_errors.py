@@ -12,6 +12,7 @@ from torch import nn
 
 import remat
 from remat.models import TinyGPT
+from tests.zoo import Stack
 
 
 def _gpt() -> tuple[nn.Module, torch.Tensor]:
@@ -83,26 +84,15 @@ class _MaskedBlock(nn.Module):
         return x + h[h > 0].sum()  # data-dependent shape
 
 
-class _Masked(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
 def test_unsupported_op_names_the_op_and_module() -> None:
     with remat.fake_mode():  # too large to copy for real: traced on FakeTensors only
-        model, x = _Masked(), torch.randn(4, 8)
+        model, x = Stack(_MaskedBlock, 2), torch.randn(4, 8)
     with pytest.raises(remat.TraceError, match=r"blocks\.0.*aten\.nonzero"):
         remat.apply(model, x, plan="block")
 
 
 def test_data_dependent_model_on_cpu_is_traced_on_a_copy() -> None:
-    model, x = _Masked(), torch.randn(4, 8)
+    model, x = Stack(_MaskedBlock, 2), torch.randn(4, 8)
     messages: list[str] = []
     remat.apply(model, x, plan="block", progress=messages.append)
     assert any("real copy" in m for m in messages)

@@ -16,7 +16,7 @@ from remat.meter import Loss, measure_step
 from remat.native.regions import BlockError, block_candidates, find_blocks
 from remat.solver.plan import STEP_WITHOUT_LOSS
 from tests.checks import assert_trains_like_eager
-from tests.zoo import NATIVE_ZOO, TitanBlock, TitanLM, titan_loss
+from tests.zoo import NATIVE_ZOO, Stack, TitanBlock, TitanLM, titan_loss
 
 
 def _titan() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -197,19 +197,8 @@ class _Routed(nn.Module):
         return x + self.experts[0](x).relu()
 
 
-class _Experts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_Routed() for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def test_a_level_of_blocks_the_step_does_not_all_call_is_not_chosen() -> None:
-    model = _Experts()
+    model = Stack(_Routed, 2)
     remat.apply(model, torch.randn(4, 32), plan="block")
-    assert remat.native.state.applied(model).blocks == ("layers.0", "layers.1")
+    assert remat.native.state.applied(model).blocks == ("blocks.0", "blocks.1")
     assert "not all called" in remat.plan_of(model).reason
