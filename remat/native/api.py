@@ -10,6 +10,7 @@ wraps it as usual. The recipe: ``remat.apply`` first, then ``fully_shard`` (or D
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import Unpack
 
@@ -28,7 +30,7 @@ from remat.graph.autocast import AUTOCAST
 from remat.graph.dynamic import inputs_at, sequence_dims
 from remat.graph.profiles import DeviceProfile, get_profile
 from remat.meter import Loss
-from remat.native import planner, regions, shallow
+from remat.native import agree, planner, regions, shallow
 from remat.native.pipelining import Pipeline
 from remat.native.regions import BlockError
 from remat.native.state import _STATE, Applied, _find_state, applied
@@ -72,6 +74,7 @@ def apply(
     pipeline: Pipeline | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
+    group: ProcessGroup | None = None,
     **flat: Unpack[RequestArgs],
 ) -> nn.Module:
     """Plan a selective-checkpoint policy per block of ``model`` and wrap the blocks **in
@@ -152,6 +155,13 @@ def apply(
     ends (``plan.step`` says which). With ``pipeline``, the loss is the pipeline's
     (``Pipeline(loss_fn=...)``) and ``target`` one microbatch's target of the last stage.
 
+    ``group``: under ``torch.distributed``, the process group whose ranks train one plan
+    (default: the default group; under a pipeline, none unless given: pass the stage's
+    data-parallel group). Every rank of it calls ``apply``; its first rank solves and
+    broadcasts the plan, and each other rank applies it after checking that it traced the
+    same step (:mod:`remat.native.agree`; a rank that differs raises
+    :class:`remat.PlanFileError`).
+
     Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
     refused after them), and only once (:func:`unapply` first to re-plan).
     """
@@ -159,6 +169,37 @@ def apply(
     _check_request(req)
     _check_pipeline(req, pipeline, target, loss_fn)
     _check_unwrapped(model)
+    shared = agree.group_of(group, pipeline)
+    if shared is None or req.plan is not None:  # a fixed plan or a file: nothing to solve
+        return _apply(model, example_inputs, example_kwargs, req, pipeline, loss_fn, target)
+
+    def solve() -> Path:
+        _apply(model, example_inputs, example_kwargs, req, pipeline, loss_fn, target)
+        return save_plan(model, folder / "plan.json")
+
+    def load(path: Path, first: int) -> None:
+        loaded = replace(req, plan=path, solver=None, activation_budget_bytes=None)
+        _apply(model, example_inputs, example_kwargs, loaded, pipeline, loss_fn, target)
+        state = applied(model)
+        plan = replace(state.plan, reason=agree.broadcast_reason(state.plan.reason, first))
+        model.__dict__[_STATE] = replace(state, plan=plan)
+
+    with tempfile.TemporaryDirectory(prefix="remat-plan-") as name:
+        folder = Path(name)
+        agree.agreed(shared, solve, load)
+    return model
+
+
+def _apply(
+    model: nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    req: Request,
+    pipeline: Pipeline | None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    target: Any,
+) -> nn.Module:
+    """:func:`apply` on this rank alone, the request checked."""
     args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
     if req.max_seq is not None:
         args, kwargs, target = _at_longest(args, kwargs, target, req.max_seq)
@@ -782,7 +823,7 @@ def _from_file(
     return planner.Solution(
         policies,
         tracer(policies),
-        f.solver,
+        f.solver.removeprefix("native:"),  # the file records the plan's name, prefixed
         f"loaded from {path} ({f.reason})",
         f.proof,
         tuple("from file" for _ in policies),

@@ -100,4 +100,6 @@ def _run(rank: int, world: int, engine: str, budget: int) -> dict[str, Any]:
         "predicted": plan.predicted_peak_bytes,
         "predicted_tensors": plan.predicted_tensor_peak_bytes,
         "solver": plan.solver,
+        "saved": sorted(plan.saved),
+        "reason": plan.reason,
     }

@@ -19,6 +19,7 @@ PRELOAD = [
     "torch.distributed.tensor.parallel",
     "transformers.models.llama.modeling_llama",
     "remat",
+    "tests.native.agree_worker",
     "tests.native.dist_worker",
     "tests.native.pp_worker",
     "tests.native.tp_worker",

@@ -92,15 +92,21 @@ def assert_trained_alike(got: dict[str, Any], rank: int | str) -> None:
 
 @pytest.mark.slow
 def test_bitwise_and_lower_peak_per_rank(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Every engine of :data:`ENGINES`, one after the other in one spawn."""
+    """Every engine of :data:`ENGINES`, one after the other in one spawn; every rank
+    trains rank 0's plan (``remat.apply``'s default ``group``)."""
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     spawn(dist_worker.main, (WORLD, _budgets(), str(tmp_path)), WORLD)
     for engine in ENGINES:
         buffers = _gloo_buffers(engine)
+        first = torch.load(tmp_path / f"{engine}_0.pt")
         for rank in range(WORLD):
             got = torch.load(tmp_path / f"{engine}_{rank}.pt")
             where = f"{engine} rank {rank}"
             assert got["solver"] == "native:auto", where
+            # One plan for the group: rank 0 solved it, the others applied its broadcast.
+            assert got["saved"] == first["saved"], where
+            if rank:
+                assert got["reason"].startswith("planned on rank 0 and broadcast"), where
             assert_trained_alike(got, where)
             ours = got["remat"]
             assert ours["peak"] < got["plain"]["peak"], (where, ours["peak"])
