@@ -88,7 +88,8 @@ def optimize(
         device_profile: cost model for recompute time: ``auto`` (the device the parameters are
             on), ``cpu``, ``a100``, ``h100``, ``h200``, ``ascend910b3``, ``ascend910b4``, or a
             :class:`remat.DeviceProfile`.
-        time_limit_s: wall-clock limit of optimizing solvers.
+        time_limit_s: work each optimizing solver may do, counted in reference seconds (not
+            read from the clock: the same request gives the same plan under any load).
         floor_time_s: seconds more for a tighter proven floor under a chain plan (the blocks'
             exact fronts, :mod:`remat.solver.block_bound`): ``plan.lower_bound_s``.
         block_types: module class names or path patterns the ``block`` baseline checkpoints.

@@ -1013,7 +1013,10 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="reserve fraction")
     p.add_argument("--device", default="h100", help=f"profile: {', '.join(PROFILE_NAMES)}")
-    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument(
+        "--time-limit", type=float, default=60.0,
+        help="each solver's work, in counted seconds (the same plan under any load)",
+    )  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override (repeatable)")  # fmt: skip
     p.add_argument(
@@ -1048,7 +1051,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=2, help="optimizer steps per plan")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
-        "--time-limit", type=float, default=30.0, help="seconds for the exact MILP (auto row)"
+        "--time-limit",
+        type=float,
+        default=30.0,
+        help="counted seconds of work for the exact MILP (auto row)",
     )
     d.add_argument("--budgets", type=int, default=4, help="budgets of the solver sweep")
     d.add_argument(

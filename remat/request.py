@@ -76,7 +76,10 @@ class Request:
     device_profile: str | DeviceProfile = "auto"
     """Cost model of recompute time; ``auto``: the device the parameters are on."""
     time_limit_s: float = 60.0
-    """Wall-clock limit of optimizing solvers."""
+    """Work each optimizing solver may do, counted in reference seconds (about seconds on
+    one idle core, :mod:`remat.solver.clock`): the same request plans the same on a busy
+    machine, which takes longer. A wall-clock safety net of five times this plus 30 s stops
+    a solve that runs far over; the plan's reason then says so."""
     floor_time_s: float = 0.0
     """Seconds more for a tighter floor under a chain plan (:attr:`SolverConfig.floor_time_s`)."""
     block_types: tuple[str, ...] = ()

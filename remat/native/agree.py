@@ -1,9 +1,10 @@
 """One plan for every rank of a process group: solved on its first rank, broadcast, checked.
 
-Why: a rank's solvers stop at time limits, so under uneven load two ranks can plan
-differently, and a rank whose model, shapes or remat differ plans for another step; either
-way the job would train with several plans, peaks and speeds, and nothing would say so
-(torchtitan's auto-AC broadcasts rank 0's plan for the same reason). Here only the group's
+Why: the solvers count work instead of reading the clock (:mod:`remat.solver.clock`), so
+ranks that trace the same step plan the same, unless a rank's wall-clock safety net expires;
+and a rank whose model, shapes or remat differ plans for another step. Either way the job
+would train with several plans, peaks and speeds, and nothing would say so (torchtitan's
+auto-AC broadcasts rank 0's plan for the same reason). Here only the group's
 first rank solves; the others apply its plan as a plan file, whose fingerprint (the blocks'
 op streams with their sizes) must match what they traced, or they raise. It also saves each
 other rank the solve."""

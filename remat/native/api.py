@@ -550,7 +550,8 @@ def _plan(
     that fits wins, on steps of up to :data:`FINER_PASS_EVENTS` events. Each pass runs the
     exact MILP first, and the chain DP as its fallback or as a second opinion where its
     traces are cheap (:func:`planner.solve`). Which passes and solvers run depends on the
-    model and the budget, never on the clock: the time limit is each solver's safety net.
+    model and the budget, never on the clock: the time limit is each solver's counted work
+    (:mod:`remat.solver.clock`).
     Fixed plans are the blocks'."""
     plan = req.plan
     first: FakeModel | None = None  # the model's first copy, which a finer pass reuses
@@ -600,8 +601,7 @@ def _plan(
     def solved(
         regions_: tuple[str, ...], analyzed: Analyzed | None = None
     ) -> tuple[planner.NativeProblem, planner.Solution]:
-        """The plan on ``regions_``, each solver with the request's time limit as its
-        safety net."""
+        """The plan on ``regions_``, each solver with the request's time limit of work."""
         problem, tracer, uniform = analyzed or on(regions_)
         return problem, planner.solve(
             problem,

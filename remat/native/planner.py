@@ -58,7 +58,7 @@ from remat.native.regions import FullReplay, OpKey, Policy
 from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.problem import Problem
-from remat.solver import registry
+from remat.solver import clock, registry
 from remat.solver.chain import (
     ChainCosts,
     ChainCostsBuilder,
@@ -371,6 +371,7 @@ def uniform_plans(problem: NativeProblem) -> dict[str, tuple[Policy, ...]]:
     return out
 
 
+@clock.counted
 def solve(
     problem: NativeProblem,
     tracer: Tracer,
@@ -396,8 +397,8 @@ def solve(
     the model, never on the clock."""
     if solver != "auto":
         return planned(problem, tracer, solver, budget_bytes=budget_bytes, config=config)
-    # Every decision below is the model's and the budget's; the time limit is a safety net
-    # whose expiry the reason reports (the same request gives the same plan on every rank).
+    # Every decision below is the model's and the budget's; the time limit counts work, not
+    # seconds (the same request gives the same plan on every rank, under any load).
     if budget_bytes is None:
         return fixed(problem, "keep_all", tracer)
     if problem.baseline.peak_bytes <= budget_bytes:  # nothing to recompute: nothing is cheaper
@@ -491,10 +492,10 @@ def _chain(
     uniform: UniformCosts | None = None,
 ) -> tuple[Solution | BudgetError, int]:
     """The chain DP's cheapest traced plan that fits (or the error saying none does), and
-    how many plans it traced. Its time limit is a safety net: where it cuts the DP's
-    budgets short, the reason says so."""
+    how many plans it traced. Its time limit counts the events it traces: where it cuts the
+    DP's budgets short, the reason says so."""
     t0 = time.perf_counter()
-    deadline = t0 + config.time_limit_s
+    deadline = clock.now() + config.time_limit_s
     n = len(problem.blocks)
     options_of, n_classes, n_opts = menus_of(problem)
     progress = config.progress or (lambda _: None)
@@ -505,6 +506,7 @@ def _chain(
         key = tuple(min(o, len(options_of[k]) - 1) for k, o in enumerate(choice))
         if key not in found:
             found[key] = tracer(_policies(options_of, key))
+            clock.charge(clock.TRACED_EVENT_S * len(found[key].events))
             progress(f"native: {len(found) - 1} plans traced, {time.perf_counter() - t0:.0f} s")
         return found[key]
 
@@ -538,10 +540,10 @@ def _chain(
         targets = targets[:1]
     cut = ""
     for i, target in enumerate(targets):
-        if i and time.perf_counter() > deadline:
+        if i and clock.now() > deadline:
             cut = (
-                f"; the time limit cut the DP after {i} of {len(targets)} budgets (a safety "
-                "net: a longer time_limit_s plans the rest)"
+                f"; the time limit (counted work) cut the DP after {i} of {len(targets)} "
+                "budgets: a longer time_limit_s plans the rest"
             )
             progress(f"native: time limit reached{cut}")
             break

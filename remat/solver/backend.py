@@ -21,6 +21,7 @@ try:
 except ImportError:  # CBC (bundled with pulp) is the fallback
     highspy = None  # type: ignore[assignment]
 
+from remat.solver import clock
 from remat.solver.config import SolverConfig
 
 NS = 1e9
@@ -61,16 +62,21 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
         self,
         start: Mapping[pulp.LpVariable, float],
         options: Mapping[str, object],
+        work_s: float,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)
         self.start = start
         self.options = options
+        self.work_s = work_s
 
     def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
         highs = lp.solverModel
         for key, option in self.options.items():
             highs.setOptionValue(key, option)
+        nonzeros = highs.getNumNz()
+        highs.setOptionValue("mip_max_nodes", clock.node_limit(self.work_s, nonzeros))
+        highs.cbMipInterrupt += _Checkpoints(clock.checkpoint_limit(self.work_s, nonzeros))
         self._run(highs)
         if self.start and not _consistent(highs):
             # HiGHS 1.16, warm-started with presolve probing off, has reported an optimum
@@ -86,6 +92,52 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
             value = np.array(list(self.start.values()), dtype=np.float64)
             highs.setSolution(len(index), index, value)
         highs.run()
+        clock.charge_solve(highs.getInfo().simplex_iteration_count, highs.getNumNz())
+        if highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
+            clock.mark_expired()
+
+    def findSolutionValues(self, lp: pulp.LpProblem) -> tuple[int, int]:  # noqa: N802
+        # pulp 3.3 does not know the status a node limit ends with: read it as the iteration
+        # limit it knows (the best solution found, not proven optimal).
+        highs = lp.solverModel
+        lp.solverModel = _NodeLimitAsIterationLimit(highs)
+        try:
+            return super().findSolutionValues(lp)  # type: ignore[no-any-return]
+        finally:
+            lp.solverModel = highs
+
+
+class _Checkpoints:
+    """HiGHS's MIP interrupt callback: stops the solve at its ``limit``-th call. HiGHS calls
+    it where it checks its limits (in the root's cut and heuristic loops, at each node), at
+    the same points on every run: a work limit for the root, which ``mip_max_nodes`` does
+    not bound (a 90,000-nonzero model spent 150 s there)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.calls = 0
+
+    def __call__(self, event: Any) -> None:
+        self.calls += 1
+        if self.calls >= self.limit:
+            event.interrupt()
+
+
+class _NodeLimitAsIterationLimit:
+    """A ``highspy.Highs`` whose model status reads ``kIterationLimit`` for a node limit or
+    an interrupt (:class:`_Checkpoints`)."""
+
+    def __init__(self, highs: Any) -> None:
+        self._highs = highs
+
+    def getModelStatus(self) -> Any:  # noqa: N802 - highspy's name
+        status = self._highs.getModelStatus()
+        limit = highspy.HighsModelStatus
+        stopped = status in (limit.kSolutionLimit, limit.kInterrupt)
+        return limit.kIterationLimit if stopped else status
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._highs, name)
 
 
 def _consistent(highs: Any) -> bool:
@@ -106,14 +158,19 @@ PROBING = 1 << 15
 
 def backend(
     config: SolverConfig,
-    time_limit: float,
+    work_s: float,
     start: Mapping[pulp.LpVariable, float],
     *,
     probing: bool = True,
     presolve: bool = True,
     gap_rel: float = GAP_REL,
 ) -> pulp.LpSolver:
-    """The MILP solver.
+    """The MILP solver, allowed ``work_s`` reference seconds of work
+    (:mod:`remat.solver.clock`): HiGHS explores at most :func:`~remat.solver.clock.node_limit`
+    branch-and-bound nodes, a limit that does not depend on the machine's speed or load (its
+    root node, presolve and heuristics run to their own ends), and stops at the planning
+    call's wall-clock safety net. CBC has no such limit: it gets
+    ``work_s`` seconds of the wall clock, so its plans may change with load.
 
     ``probing``: HiGHS's presolve probing (off for remat's MILP: on a 4-layer Llama it took 7
     of 9 s and often ran out of time before branching began; without it the MILP proved the
@@ -129,14 +186,20 @@ def backend(
         if not probing:
             options["presolve_rule_off"] = PROBING
         return _WarmHiGHS(
-            start, options, msg=False, timeLimit=time_limit, gapRel=gap_rel, gapAbs=GAP_ABS
+            start,
+            options,
+            work_s,
+            msg=False,
+            timeLimit=max(0.01, clock.wall_left_s()),
+            gapRel=gap_rel,
+            gapAbs=GAP_ABS,
         )
     if config.backend == "highs":
         raise ValueError("MILP backend 'highs' requested but highspy is not installed")
     for var, value in start.items():
         var.setInitialValue(value)
     return pulp.PULP_CBC_CMD(
-        msg=False, timeLimit=time_limit, warmStart=bool(start), gapRel=gap_rel, gapAbs=GAP_ABS
+        msg=False, timeLimit=work_s, warmStart=bool(start), gapRel=gap_rel, gapAbs=GAP_ABS
     )
 
 

@@ -55,12 +55,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import pulp
 
 from remat.problem import Problem, Role
+from remat.solver import clock
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.bound import Moment, backward_moments, read_span
 from remat.solver.compress import Compressed, compress
@@ -114,6 +114,7 @@ def head_moments(problem: Problem, structure: Structure) -> list[int]:
     return list(range(min(starts, default=0)))
 
 
+@clock.counted
 def block_bound(
     problem: Problem,
     budget_bytes: int,
@@ -128,14 +129,14 @@ def block_bound(
     was too short for any front."""
     if problem.executor != "graph":
         return None
-    deadline = time.perf_counter() + config.time_limit_s
+    deadline = clock.now() + config.time_limit_s
     structure = structure or find_structure(problem)
     heads = head_moments(problem, structure)
     if not structure.blocks or not heads or len(structure.classes) > MAX_CLASSES:
         return None
 
     def per_solve() -> SolverConfig:
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         return dataclasses.replace(config, time_limit_s=max(1.0, min(POINT_S, left)))
 
     kps = []
@@ -167,23 +168,23 @@ def block_bound(
     reached = [True] * len(fronts)  # whether the last knapsack has blocks the head reaches
     tail = _tail(problem, structure)
     share = 0.0 if tail is None else TAIL_SHARE
-    tail_at = deadline - share * (deadline - time.perf_counter())
+    tail_at = deadline - share * (deadline - clock.now())
     for r in range(rounds):
-        late = tail is not None and (r == rounds - 1 or time.perf_counter() >= tail_at)
+        late = tail is not None and (r == rounds - 1 or clock.now() >= tail_at)
         for front, after in zip(fronts, reached, strict=True):
-            if time.perf_counter() >= deadline:
+            if clock.now() >= deadline:
                 break
             front.extend(per_solve, after=after or not front.after_lines)
         if not all(f.lines for f in fronts):
-            if time.perf_counter() >= deadline:
+            if clock.now() >= deadline:
                 return best
             continue
         if late:  # half of what is left at most, so that the knapsack keeps time to solve
-            stop = time.perf_counter() + (deadline - time.perf_counter()) / 2
+            stop = clock.now() + (deadline - clock.now()) / 2
             for front in fronts:
                 front.match(per_solve, stop)
         last = (tail, tail.model()) if tail is not None and late else None
-        left = max(1.0, (deadline if late else tail_at) - time.perf_counter())
+        left = max(1.0, (deadline if late else tail_at) - clock.now())
         found = _knapsack(problem, budget_bytes, structure, moments, fronts, config, left, last)
         if found is None:
             return best
@@ -192,7 +193,7 @@ def block_bound(
             n = sum(len(f.lines) + len(f.after_lines) for f in fronts)
             where = " and the last block's backward" if late else ""
             config.progress(f"block bound: {best * 1e3:.4g} ms from {n} tangents{where}")
-        if time.perf_counter() >= deadline:
+        if clock.now() >= deadline:
             return best
         for front, each, each_after in zip(fronts, found.kept, found.kept_after, strict=True):
             front.aim(each, each_after)
@@ -222,7 +223,7 @@ class _Front:
         if self.after is None:
             return
         for t in self.lines[-MATCHED:]:
-            if t.weight not in self.matched and time.perf_counter() < deadline:
+            if t.weight not in self.matched and clock.now() < deadline:
                 line = tangent(self.after, t.weight, per_solve())
                 if line is not None:
                     self.matched[t.weight] = line

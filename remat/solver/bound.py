@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import pulp
 
 from remat.problem import Problem, Role, Value
+from remat.solver import clock
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.config import SolverConfig
 from remat.solver.executor import executor_of
@@ -205,6 +206,7 @@ def backward_moments(
     return out
 
 
+@clock.counted
 def backward_bound(
     problem: Problem, budget_bytes: int, config: SolverConfig, *, moments: int = MOMENTS
 ) -> float | None:

@@ -66,6 +66,7 @@ from typing import Protocol
 import pulp
 
 from remat.problem import Problem, Role
+from remat.solver import clock
 from remat.solver.block_bound import block_bound
 from remat.solver.bound import backward_bound
 from remat.solver.compress import compress
@@ -203,6 +204,7 @@ class ChainMenu:
     there (:func:`remat.solver.seams.boundaries`)."""
 
 
+@clock.counted
 def chain_menu(problem: Problem, config: SolverConfig) -> ChainMenu:
     """Solve one block per class for its menu (cached) and stitch the uniform plans."""
     structure = find_structure(problem, config.block_types)
@@ -273,9 +275,11 @@ def _swaps(
     return swap_of
 
 
+@clock.counted
 def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """Least recompute time for a chain of blocks (see the module docstring)."""
     t0 = time.perf_counter()
+    c0 = clock.now()
     menu = chain_menu(problem, config)
     structure, menus, options_of, stitch, uniform = (
         menu.structure, menu.menus, menu.options_of, menu.stitch, menu.uniform
@@ -289,7 +293,7 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     # No budget: the least peak the chain reaches.
     least = min(p.predicted_peak_bytes for p in uniform)
     target = least if budget_bytes is None else budget_bytes
-    deadline = t0 + config.time_limit_s
+    deadline = c0 + config.time_limit_s
     plain = partial(stitch, seams=NONE)
     found = _search(problem, costs, target, options_of, plain, deadline, config, polish=False)
     best, best_choice = found if found is not None else (None, [])
@@ -332,7 +336,7 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
                 problem, budget_bytes, dataclasses.replace(config, time_limit_s=share)
             )
     best, windows = _refine(
-        problem, structure, menus, best, target, config, t0 + config.time_limit_s
+        problem, structure, menus, best, target, config, c0 + config.time_limit_s
     )
     floor = "at the backward's moments"
     if bound is not None and config.floor_time_s and best.recompute_time_s > bound:
@@ -561,9 +565,9 @@ def _refine(
         *(blocks[k] | blocks[k + 1] for k in range(len(blocks) - 1)),
     ]
     solved = 0
-    took = 1.0  # the last window's wall time: a window may overrun its limit (model building)
+    took = 1.0  # the last window's work: a window may overrun its limit (model building)
     for window in windows:
-        start = time.perf_counter()
+        start = clock.now()
         left = deadline - start
         if left < took:
             break
@@ -587,7 +591,7 @@ def _refine(
             ):
                 plan = found
         solved += 1
-        took = time.perf_counter() - start
+        took = clock.now() - start
     return plan, solved
 
 
@@ -633,7 +637,7 @@ def _repair(
         if _keep(costs, o, k) < _keep(costs, choice[k], k)
     )
     for _, k, o in moves:
-        if time.perf_counter() > deadline:
+        if clock.now() > deadline:
             return None
         trial = [*choice[:k], o, *choice[k + 1 :]]
         plan = _stitched(problem, stitch(trial))
@@ -665,7 +669,7 @@ def _local_search(
     (a quarter second at 70B), and most moves of a plan found under the budget cannot fit."""
     choice = list(choice)
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and clock.now() < deadline:
         improved = False
         slack = target - plan.predicted_peak_bytes
         moves = []
@@ -678,7 +682,7 @@ def _local_search(
                     continue
                 moves.append((options[o].time_s - current, k, o))
         for _, k, o in sorted(moves):
-            if time.perf_counter() > deadline:
+            if clock.now() > deadline:
                 return plan, choice
             trial = [*choice[:k], o, *choice[k + 1 :]]
             candidate = _stitched(problem, stitch(trial))
@@ -776,7 +780,7 @@ def _menu(
     points of its front."""
     fwd = sub.forward_names
     per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
-    deadline = time.perf_counter() + config.time_limit_s * MENU_SHARE
+    deadline = clock.now() + config.time_limit_s * MENU_SHARE
     least = make_plan(sub, must_save(sub), solver="keep_inputs", reason="", proof=Proof.HEURISTIC)
     plans = [keep_all, least]
     # Options trading what the block keeps for the later blocks' backward against time: with a
@@ -799,7 +803,7 @@ def _menu(
         return p.predicted_peak_bytes
 
     for k in range(1, 2 * MENU_POINTS):
-        if time.perf_counter() < deadline:
+        if clock.now() < deadline:
             solve_heavy(bottom + (top - bottom) * k // (2 * MENU_POINTS))
     # The fronts' points get more time than a budgeted solve: an incumbent cut short is
     # no point of the front.
@@ -817,7 +821,7 @@ def _menu(
     hi = keep_all.predicted_peak_bytes
     lo = min(p.predicted_peak_bytes for p in plans)
     for k in range(1, MENU_POINTS + 1):
-        if time.perf_counter() > deadline:
+        if clock.now() > deadline:
             break
         with contextlib.suppress(BudgetError, RuntimeError):
             plans.append(
@@ -825,7 +829,7 @@ def _menu(
             )
     budget: int | None = top - 1
     for _ in range(MENU_SOLVES):
-        if budget is None or time.perf_counter() > deadline:
+        if budget is None or clock.now() > deadline:
             break
         reached = solve_heavy(budget)
         budget = None if reached is None else reached - 1
@@ -860,7 +864,7 @@ def _front_plans(
     fwd = set(sub.forward_names)
     out: list[Plan] = []
     for f in FRONT_WEIGHTS if slope > 0 else ():
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         if left <= 0:
             break
         limit = dataclasses.replace(config, time_limit_s=min(config.time_limit_s, left))

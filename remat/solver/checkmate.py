@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import pulp
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role
+from remat.solver import clock
 from remat.solver.backend import GAP_ABS, GAP_REL, backend, best_bound, objective_scale
 from remat.solver.compress import _core, compress
 from remat.solver.config import SolverConfig
@@ -51,11 +52,13 @@ class CheckmateBound:
     binaries: int
 
 
+@clock.counted
 def checkmate_bound(
     problem: Problem, *, budget_bytes: int, config: SolverConfig | None = None
 ) -> CheckmateBound:
     config = config or SolverConfig()
     t0 = time.perf_counter()
+    c0 = clock.now()
     p = compress(problem).problem
     values = p.by_name
     core = _core(p)
@@ -182,7 +185,7 @@ def checkmate_bound(
     lp.solve(backend(config, config.time_limit_s, {}))
     if lp.status == pulp.LpStatusInfeasible:
         # Confirmed without presolve, which once called a feasible model infeasible.
-        left = max(1.0, config.time_limit_s - (time.perf_counter() - t0))
+        left = max(1.0, config.time_limit_s - (clock.now() - c0))
         lp.solve(backend(config, left, {}, presolve=False))
     elapsed = time.perf_counter() - t0
     if lp.status == pulp.LpStatusInfeasible:

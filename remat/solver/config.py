@@ -36,14 +36,28 @@ class BudgetError(ValueError):
         self.args = (f"{self.args[0]}. {hint}",)
 
 
+WALL_FACTOR = 5.0
+"""The default wall-clock safety net is this many times ``time_limit_s`` (counted work) ..."""
+WALL_EXTRA_S = 30.0
+"""... plus this much: a busy or slow machine takes longer for the same work, and not every
+step of planning is counted."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SolverConfig:
     time_limit_s: float = 60.0
-    """Wall-clock limit of an optimizing solver; it returns its best plan and proven gap.
-    ``exact`` and ``auto`` run the heuristics, the LP rounding and the MILP within it; where
-    the MILP proves nothing in that time, the chain solver runs with this limit too (on
-    models with repeated blocks), so no solver's plan is cheaper than theirs: up to twice the
-    limit in all."""
+    """Work an optimizing solver may do before it returns its best plan and proven gap, in
+    reference seconds: counted (simplex iterations, branch-and-bound nodes, simulated steps,
+    :mod:`remat.solver.clock`), not read from the clock, so the same request gives the same
+    plan on a busy machine, about as many seconds as this on an idle one. ``exact`` and
+    ``auto`` run the heuristics, the LP rounding and the MILP within it; where the MILP
+    proves nothing in it, the chain solver runs with this limit too (on models with
+    repeated blocks), so no solver's plan is cheaper than theirs: up to twice the limit in
+    all."""
+    wall_limit_s: float | None = None
+    """The wall-clock safety net of one planning call: past it every solver stops with its
+    best plan, and the plan's reason says the net expired (that plan may differ from run to
+    run). None: ``WALL_FACTOR * time_limit_s + WALL_EXTRA_S``."""
     backend: str = "auto"
     """MILP backend: ``highs``, ``cbc`` or ``auto`` (HiGHS when installed)."""
     block_types: tuple[str, ...] = ()
@@ -60,9 +74,17 @@ class SolverConfig:
     (:mod:`remat.solver.block_bound`; 0: only the backward's moments,
     :mod:`remat.solver.bound`, within the time limit)."""
 
+    def wall_limit(self) -> float:
+        """:attr:`wall_limit_s`, or its default for this ``time_limit_s``."""
+        if self.wall_limit_s is not None:
+            return self.wall_limit_s
+        return WALL_FACTOR * self.time_limit_s + WALL_EXTRA_S
+
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
             raise ValueError("time_limit_s must be positive")
+        if self.wall_limit_s is not None and self.wall_limit_s <= 0:
+            raise ValueError("wall_limit_s must be positive (or None for the default)")
         if self.floor_time_s < 0:
             raise ValueError("floor_time_s must be 0 or more")
         if self.backend not in ("auto", "highs", "cbc"):

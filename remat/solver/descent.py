@@ -16,9 +16,9 @@ and cost are exact; the descent is greedy, not optimal.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from remat.problem import Problem, Role
+from remat.solver import clock
 from remat.solver.plan import Plan, Proof, make_plan
 from remat.solver.schedule import InvalidPlanError
 
@@ -36,7 +36,7 @@ def descend(
 ) -> Plan | None:
     """A plan that fits ``budget_bytes`` reached from ``start`` by unsaving values, or None if
     the descent gets stuck (no candidate lowers the peak) or ``deadline``
-    (``time.perf_counter()``) passes first."""
+    (:func:`remat.solver.clock.now`) passes first."""
     values = problem.by_name
     plan = start
     tried: set[frozenset[str]] = {plan.saved}
@@ -56,7 +56,7 @@ def descend(
         best: tuple[float, Plan] | None = None
         for lo in range(0, len(ranked), width):
             for n in ranked[lo : lo + width]:
-                if time.perf_counter() > deadline:
+                if clock.now() > deadline:
                     return None
                 saved = plan.saved - {n}
                 if saved in tried:

@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from remat.problem import Problem, Role, Value
+from remat.solver import clock
 from remat.solver.config import SolverConfig
 from remat.solver.fixed import must_save
 from remat.solver.milp import kept_tradeoff
@@ -115,6 +116,7 @@ class Tangent:
     when that plan is optimal): the next weight is chosen from it."""
 
 
+@clock.counted
 def tangent(kp: KeptProblem, weight: float, config: SolverConfig) -> Tangent | None:
     """The tangent of ``kp``'s front at ``weight`` (seconds per byte), from the exact MILP's
     relaxation in ``config``'s time; ``None`` if nothing was proven."""

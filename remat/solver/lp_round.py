@@ -17,6 +17,7 @@ import time
 import pulp
 
 from remat.problem import Problem
+from remat.solver import clock
 from remat.solver.backend import backend
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
@@ -27,6 +28,7 @@ from remat.solver.plan import Plan, Proof, make_plan, proven
 RANDOM_ROUNDINGS = 16
 
 
+@clock.counted
 def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The cheapest rounding of the LP relaxation that fits ``budget_bytes``."""
     keep_all = keep_all_plan(problem, "lp_round")
@@ -35,7 +37,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
     t0 = time.perf_counter()
     comp = compress(problem)
     small = comp.problem
-    deadline = t0 + config.time_limit_s
+    deadline = clock.now() + config.time_limit_s
     try:  # ModelTimeout (a RuntimeError) if the model takes the whole time limit to build
         model = _Model(small, budget_bytes, comp.fold, deadline=deadline)
     except BelowFloor as e:
@@ -57,7 +59,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
             lower_bound_s=0.0,
         )
         return dataclasses.replace(only, proof=proven(only))
-    model.lp.solve(backend(config, max(1.0, deadline - time.perf_counter()), {}))
+    model.lp.solve(backend(config, max(1.0, deadline - clock.now()), {}))
     if model.lp.status != pulp.LpStatusOptimal:
         status = pulp.LpStatus[model.lp.status]
         hs = getattr(model.lp, "solverModel", None)

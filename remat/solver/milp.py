@@ -43,6 +43,7 @@ from collections.abc import Collection, Mapping
 import pulp
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
+from remat.solver import clock
 from remat.solver.backend import backend, best_bound, objective_scale
 from remat.solver.compress import Compressed, compress
 from remat.solver.config import BudgetError, SolverConfig
@@ -93,7 +94,7 @@ class _Model:
     ) -> None:
         self.problem = problem
         self.deadline = deadline
-        """``time.perf_counter()`` past which building stops with :class:`ModelTimeout`: on a
+        """``clock.now()`` past which building stops with :class:`ModelTimeout`: on a
         graph of a few hundred values the model takes longer to build than to solve, and the
         solvers' own time limits do not cover it."""
         self.kept_weight = kept_weight
@@ -272,7 +273,8 @@ class _Model:
     # ----------------------------------------------------------------- model
     def _tick(self) -> None:
         """Called for every variable and in the loops that add constraints only."""
-        if self.deadline is not None and time.perf_counter() > self.deadline:
+        clock.charge(clock.MODEL_TICK_S)
+        if self.deadline is not None and clock.now() > self.deadline:
             raise ModelTimeout(
                 "the LP/MILP model was not built within the time limit "
                 f"({self.lp.numVariables():,} variables so far)"
@@ -662,6 +664,7 @@ def _start(model: _Model, plan: Plan) -> dict[pulp.LpVariable, float]:
     return start
 
 
+@clock.counted
 def exact(
     problem: Problem,
     *,
@@ -704,6 +707,7 @@ class Tradeoff:
     """That plan's saved values (a plan of the block, on the front where it is optimal)."""
 
 
+@clock.counted
 def kept_tradeoff(
     problem: Problem, weight: float, config: SolverConfig, *, stage: int = 0
 ) -> Tradeoff | None:
@@ -729,6 +733,7 @@ def kept_tradeoff(
     return Tradeoff(bound, round(kept), frozenset(model.saved()))
 
 
+@clock.counted
 def min_peak(problem: Problem, config: SolverConfig, start: Plan | None = None) -> Plan:
     """The plan with the least simulated peak (recompute time not optimised). Its ``proof`` is
     about that peak: :attr:`Proof.OPTIMAL` when the MILP proved it least."""
@@ -774,7 +779,7 @@ def _solve(
     small_start, fix = _compressed_start(comp, start, free)
     search = _Search(
         problem, comp, budget_bytes, config, start, small_start, fix, free,
-        t0, t0 + config.time_limit_s,
+        t0, clock.now() + config.time_limit_s,
     )  # fmt: skip
     opened = _open(search)
     return opened if isinstance(opened, Plan) else _rounds(search, opened)
@@ -853,7 +858,7 @@ def _rounds(s: _Search, model: _Model) -> Plan:
                 f"(simulated {sim.peak_bytes:,} B at {sim.peak_step}, model {target:,.0f} B); "
                 "this is a bug, please report it with the model"
             )
-        if time.perf_counter() > s.deadline:
+        if clock.now() > s.deadline:
             # The model so far is a relaxation: its bound is still a valid lower bound (unless
             # it was solved for less than the budget).
             bound = _cost_bound(model) if not margin and s.free is None else None
@@ -867,10 +872,10 @@ def _rounds(s: _Search, model: _Model) -> Plan:
 
 
 def _run_solver(model: _Model, s: _Search, warm: dict[pulp.LpVariable, float]) -> None:
-    left = max(1.0, s.deadline - time.perf_counter())
+    left = max(1.0, s.deadline - clock.now())
     model.lp.solve(backend(s.config, left, warm, probing=False))
     if model.lp.status == pulp.LpStatusInfeasible:  # confirmed without presolve
-        left = max(1.0, s.deadline - time.perf_counter())
+        left = max(1.0, s.deadline - clock.now())
         model.lp.solve(backend(s.config, left, warm, probing=False, presolve=False))
 
 
@@ -881,7 +886,7 @@ def _for_tolerance(
     margin; the start plan (or none) where there is no time for it or the budget is that
     close to the floor."""
     what = f"{rounds} round(s), re-solving for the solver's tolerance"
-    if time.perf_counter() > s.deadline:
+    if clock.now() > s.deadline:
         # A model solved for less than the budget bounds nothing at the budget.
         bound = _cost_bound(model) if not margin and s.free is None else None
         return _out_of_time(s.start, bound, what)

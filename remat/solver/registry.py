@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 import weakref
 from collections.abc import Callable, Mapping
 
 from remat.problem import Problem
+from remat.solver import clock
 from remat.solver.baselines import (
     block_checkpoint,
     keep_all,
@@ -92,7 +92,7 @@ def _descents(
     """:func:`descend`, within ``seconds``, from the ``DESCENT_STARTS`` plans over the budget
     nearest to it among those cheaper than every plan that fits (a start far above the budget
     would take many steps: keep_all is the cheapest plan over every budget)."""
-    deadline = time.perf_counter() + seconds
+    deadline = clock.now() + seconds
     cheapest = fitting[0].recompute_time_s if fitting else math.inf
     starts = {p.saved: p for p in over if p.recompute_time_s < cheapest}.values()
     found = []
@@ -124,7 +124,7 @@ def _starts(
     thousand values it does not). ``size`` is
     :func:`milp_size`. Also returns the least peak seen and the seconds left for the MILP (<= 0
     when the time limit is spent)."""
-    t0 = time.perf_counter()
+    t0 = clock.now()
     fitting, over, least_peak = _heuristic_plans(problem, budget_bytes, config)
     flat = size <= config.max_milp_values
     done = bool(fitting) and fitting[0].recompute_time_s == 0
@@ -132,12 +132,12 @@ def _starts(
         chained = _chain_plan(problem, budget_bytes, config)
         if chained is not None:
             fitting = sorted([*fitting, chained], key=_by_cost)
-        t0 = time.perf_counter()
+        t0 = clock.now()
     if budget_bytes is not None and over:
         seconds = config.time_limit_s * DESCENT_SHARE
         fitting = sorted([*fitting, *_descents(problem, over, fitting, budget_bytes, seconds, config)],
                          key=_by_cost)  # fmt: skip
-    left = config.time_limit_s - (time.perf_counter() - t0)
+    left = config.time_limit_s - (clock.now() - t0)
     if budget_bytes is not None and flat and left > 0:
         share = min(left, config.time_limit_s * LP_SHARE)
         lp_config = dataclasses.replace(config, time_limit_s=share)
@@ -147,7 +147,7 @@ def _starts(
         fitting.sort(key=_by_cost)
     # May be <= 0: the solvers stop building their models at their limits, but HiGHS takes
     # at least a second, and the heuristics and the chain's simulations are not interrupted.
-    return fitting, least_peak, config.time_limit_s - (time.perf_counter() - t0)
+    return fitting, least_peak, config.time_limit_s - (clock.now() - t0)
 
 
 def _chain_plan(problem: Problem, budget_bytes: int, config: SolverConfig) -> Plan | None:
@@ -184,6 +184,7 @@ def _unless_proven(
     )
 
 
+@clock.counted
 def exact_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The exact MILP, warm-started from the cheapest heuristic or LP-rounded plan that fits;
     where it proves nothing in time, the chain solver's plan if that is cheaper
@@ -259,6 +260,7 @@ def solvers_for(executor: str) -> Mapping[str, SolverFn]:
     return {name: fn for (ex, name), fn in SOLVER_TABLE.items() if ex == executor}
 
 
+@clock.counted
 def solve_auto(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """The exact MILP's plan when it is found in the time limit (warm-started from the best
     heuristic or LP-rounded plan, so never worse), else the cheapest of those that fits."""
@@ -361,6 +363,7 @@ def _with_reason(plan: Plan, solver: str, reason: str) -> Plan:
     return dataclasses.replace(plan, solver=solver, reason=reason, proof=proven(plan))
 
 
+@clock.counted
 def solve(
     problem: Problem,
     *,
@@ -408,9 +411,10 @@ def _solved_before(
 ) -> Plan | None:
     """The plan ``exact`` or ``auto`` already returned for this problem, budget and settings,
     renamed for ``solver``; None for other solvers or where neither ran. Why: both run the
-    same MILP under a deadline, so a second run (under load, say) can find a cheaper or a
-    dearer incumbent than the first; answering both from one run keeps them equal, and each
-    at or below every plan seen before it (:func:`_with_seen`), whichever runs first."""
+    same MILP under a work limit, and ``auto`` starts it from more plans than ``exact`` does,
+    so the two could end on different incumbents; answering both from one run keeps them
+    equal, and each at or below every plan seen before it (:func:`_with_seen`), whichever
+    runs first."""
     if solver not in NEVER_BEATEN or budget_bytes is None:
         return None
     plan = _SOLVED.get(id(problem), {}).get((budget_bytes, _settings(config)))
@@ -436,11 +440,10 @@ def _remember(problem: Problem, budget_bytes: int, plan: Plan) -> None:
 
 def _with_seen(problem: Problem, budget_bytes: int, plan: Plan, solver: str) -> Plan:
     """``plan``, or the cheapest plan another solver already found at this budget when that
-    one is cheaper. Why: the chain's local search and the LP rounding stop at deadlines, so
-    their plans depend on timing; a second run inside ``exact`` (a warm start, or the chain
-    after an unproven MILP) can come out worse than the run a user just saw. Every plan
-    :func:`solve` returned is a warm start of ``exact`` and ``auto`` this way, whatever
-    the timing."""
+    one is cheaper. Why: the chain's local search and the LP rounding stop at work limits,
+    and a second run inside ``exact`` (a warm start, or the chain after an unproven MILP)
+    gets another share of the limit, so it can come out worse than the run a user just saw.
+    Every plan :func:`solve` returned is a warm start of ``exact`` and ``auto`` this way."""
     seen = _SEEN.get(id(problem), {}).get(budget_bytes)
     if seen is None or seen.recompute_time_s >= plan.recompute_time_s:
         return plan

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from remat.problem import Problem, Role
+from remat.solver import clock
 from remat.solver.schedule import Schedule
 
 
@@ -254,6 +255,7 @@ class SecondCopyError(ValueError):
 def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -> Simulation:
     """Walk the executor's order and account every storage; see the module docstring.
     ``intervals``: also record when each storage is live (for executors' lifetimes)."""
+    clock.charge(clock.SIMULATED_STEP_S * (len(schedule.forward) + len(schedule.backward)))
     values = problem.by_name
     mem = _Memory(problem)
     if intervals:

@@ -31,6 +31,7 @@ import numpy as np
 import pulp
 
 from remat.problem import Problem
+from remat.solver import clock
 from remat.solver.backend import backend, objective_scale
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import Lifetimes, executor_of
@@ -176,7 +177,7 @@ def _solve_lazily(
         for m in rows - written:
             _add_row(lp, s, aggregate, lt, held, int(m), budget)
         written |= rows
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         if left <= 0:
             return None
         lp.solve(backend(config, max(1.0, left), warm, gap_rel=gap))
@@ -213,6 +214,7 @@ def _plans(
     return plans
 
 
+@clock.counted
 def solve_spans(
     problem: Problem, *, budget_bytes: int | None, config: SolverConfig, relax: bool = False
 ) -> Plan:
@@ -239,7 +241,7 @@ def solve_spans(
     least = make_plan(problem, lt.forced, solver=name, reason="", proof=Proof.HEURISTIC)
     target = budget_bytes
     held = _Held(lt)
-    deadline = t0 + config.time_limit_s
+    deadline = clock.now() + config.time_limit_s
     for round_ in range(ROUNDS):
         if max(lt.base, default=0) > target:
             break

@@ -23,6 +23,7 @@ from remat.native.api import analyze
 from remat.native.regions import find_blocks
 from remat.native.trace import StepTrace
 from remat.request import Request
+from remat.solver import clock
 from remat.solver.chain import chain_time
 from remat.solver.config import SolverConfig
 from tests.zoo import llama
@@ -130,18 +131,21 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_where_cheap(
     assert fallback.policies == chain.policies and fallback.reason.startswith("chain DP")
 
 
-def test_the_chain_dp_s_time_limit_is_a_safety_net_it_reports(
+def test_the_chain_dp_s_work_limit_cuts_its_budgets_and_says_so(
     analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the limit passes, the DP keeps what it traced and its reason says so; a plan
-    of the per-block family that fits is among them (traced after the DP's budgets)."""
+    """Where its counted work passes the limit, the DP keeps what it traced and its reason
+    says so; a plan of the per-block family that fits is among them (traced after the DP's
+    budgets)."""
     problem, tracer, _ = analyzed
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
-    monkeypatch.setattr(planner, "time", _Ticking())
-    chain, _ = planner._chain(problem, tracer, budget, SolverConfig(time_limit_s=1.5))
+    monkeypatch.setattr(clock, "TRACED_EVENT_S", 1.0)  # each trace: seconds of work
+    config = SolverConfig(time_limit_s=1.5)
+    with clock.planning(config):
+        chain, _ = planner._chain(problem, tracer, budget, config)
     assert isinstance(chain, planner.Solution) and chain.trace.peak_bytes <= budget
-    assert "the time limit cut the DP after 1 of" in chain.reason
+    assert "the time limit (counted work) cut the DP after 1 of" in chain.reason
 
 
 class _Ticking:

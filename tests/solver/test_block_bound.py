@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import remat.solver.block_bound as block_bound_module
-import remat.solver.chain as chain_module
 from remat.problem import Problem, Role
+from remat.solver import clock
 from remat.solver.block_bound import block_bound, head_moments
 from remat.solver.bound import backward_bound
 from remat.solver.config import SolverConfig
@@ -28,20 +28,11 @@ from tests.solver.test_exact import brute_force, optimum
 CONFIG = SolverConfig(time_limit_s=30)
 
 
-class _Frozen:
-    """A clock that never moves: every loop the solvers bound by time runs to its own end,
-    so what they find does not depend on this machine's speed."""
-
-    @staticmethod
-    def perf_counter() -> float:
-        return 0.0
-
-
 @pytest.fixture(autouse=True)
 def _no_clock(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The floor's rounds (and the chain solver's loops) end by their own counts here."""
-    monkeypatch.setattr(block_bound_module, "time", _Frozen)
-    monkeypatch.setattr(chain_module, "time", _Frozen)
+    """The floor's rounds (and the chain solver's loops) end by their own counts here: a
+    clock that never moves, so what they find does not depend on the work limit."""
+    monkeypatch.setattr(clock.Clock, "now", lambda self: 0.0)
 
 
 def _stack(
