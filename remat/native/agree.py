@@ -40,10 +40,10 @@ def group_of(group: Any, pipeline: Any) -> Any:
     return group if dist.get_world_size(group) > 1 else None
 
 
-def agreed(group: Any, solve: Callable[[], Path], load: Callable[[Path, int], None]) -> None:
-    """``solve()`` on the group's first rank (it applies the plan and writes its file,
-    returning the path); ``load(path, first)`` on every other rank, with that file's contents
-    and the first rank's number. An error on the first rank reaches the others: a
+def agreed(group: Any, solve: Callable[[Path], None], load: Callable[[Path, int], None]) -> None:
+    """``solve(path)`` on the group's first rank (it applies the plan and writes its file
+    there); ``load(path, first)`` on every other rank, with that file's contents and the
+    first rank's number. An error on the first rank reaches the others: a
     :class:`BudgetError` as itself (the least peak is the group's), any other as a
     :class:`RuntimeError` naming it."""
     first = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
@@ -52,12 +52,11 @@ def agreed(group: Any, solve: Callable[[], Path], load: Callable[[Path, int], No
         path = Path(folder) / "plan.json"
         if mine == first:
             try:
-                text: str | None = solve().read_text()
-                failure = ""
+                solve(path)
             except BaseException as e:
                 _broadcast([None, f"{type(e).__name__}: {e}", _budget_of(e)], first, group)
                 raise
-            _broadcast([text, failure, None], first, group)
+            _broadcast([path.read_text(), "", None], first, group)
             return
         text, failure, budget = _broadcast([None, "", None], first, group)
         if budget is not None:  # the same figures on every rank: callers read them

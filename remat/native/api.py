@@ -10,7 +10,6 @@ wraps it as usual. The recipe: ``remat.apply`` first, then ``fully_shard`` (or D
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -173,9 +172,9 @@ def apply(
     if shared is None or req.plan is not None:  # a fixed plan or a file: nothing to solve
         return _apply(model, example_inputs, example_kwargs, req, pipeline, loss_fn, target)
 
-    def solve() -> Path:
+    def solve(path: Path) -> None:
         _apply(model, example_inputs, example_kwargs, req, pipeline, loss_fn, target)
-        return save_plan(model, folder / "plan.json")
+        save_plan(model, path)
 
     def load(path: Path, first: int) -> None:
         loaded = replace(req, plan=path, solver=None, activation_budget_bytes=None)
@@ -184,9 +183,7 @@ def apply(
         plan = replace(state.plan, reason=agree.broadcast_reason(state.plan.reason, first))
         model.__dict__[_STATE] = replace(state, plan=plan)
 
-    with tempfile.TemporaryDirectory(prefix="remat-plan-") as name:
-        folder = Path(name)
-        agree.agreed(shared, solve, load)
+    agree.agreed(shared, solve, load)
     return model
 
 

@@ -4,9 +4,10 @@ Every decision a solver takes by the time it has left (a deadline, a share of
 ``time_limit_s``, how many branch-and-bound nodes HiGHS may explore) reads this clock instead
 of the wall clock. It advances by the work the solvers count: HiGHS's simplex iterations,
 each simulated schedule step (every plan a search tries is simulated), each step of building
-a MILP model, each event the ``sac`` planner traces. Each kind of work has a price in reference seconds, about what it takes on one idle
-core of the reference machine, so ``time_limit_s`` still reads as seconds there; a busier or
-slower machine takes longer and returns the same plan.
+a MILP model, each event the ``sac`` planner traces. Each kind of work has a price in
+reference seconds, about what it takes on one idle core of the reference machine, so
+``time_limit_s`` still reads as seconds there; a busier or slower machine takes longer and
+returns the same plan.
 
 The wall clock remains as a safety net only (:attr:`SolverConfig.wall_limit_s`): once it
 passes, :func:`now` reads past every deadline, so every solver stops with its best plan, and
@@ -62,7 +63,6 @@ MODEL_TICK_S = 2e-5
 """One variable or constraint loop step while a MILP model is built."""
 TRACED_EVENT_S = 2e-5
 """One event of a step traced under a plan (the ``sac`` executor's planner)."""
-"""One variable or constraint loop step while a MILP model is built."""
 
 
 @dataclass
