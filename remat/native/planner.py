@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import time
@@ -86,6 +87,11 @@ per-block family traced, :func:`_per_block_contenders`): a count, so that the pl
 depend on how fast the machine traces."""
 DP_ROUNDS = 12
 """DP solves per budget, each for a smaller budget, until the traced plan fits."""
+MISS_MARGIN = 1 / 64
+"""Share of the dataflow simulation's miss (traced peak less simulated) that a solver's
+plan is solved again for below the excess: the next plan misses by about as much, but not
+exactly (Llama-70B at 80 GB: 127.0 MiB, then 128.0 MiB, which took a third round; each
+round is a trace, 8 s there)."""
 SECOND_OPINION_EVENTS = 16_000
 """Events the chain DP may trace on the model (options x events of one step) after the
 MILP found a plan (with ``milp_first``): a count, not seconds, so that whether it runs
@@ -418,7 +424,7 @@ def solve(
         work = n_opts * len(problem.baseline.events)
         shallow = uniform is not None and len(problem.blocks) >= MIN_REGIONS
         if milp is None or shallow or work <= SECOND_OPINION_EVENTS:
-            chain, traced = _chain(problem, tracer, budget_bytes, config, uniform)
+            chain, traced = _chain(problem, tracer, budget_bytes, config, uniform, milp)
         else:
             if config.progress:
                 config.progress(
@@ -427,7 +433,7 @@ def solve(
                     f"{SECOND_OPINION_EVENTS:,} in all): not run; the per-block family "
                     "instead, by bisection"
                 )
-            chain, traced = _per_block(problem, tracer, budget_bytes)
+            chain, traced = _per_block(problem, tracer, budget_bytes, milp)
             other = "the per-block family"
     return _cheaper(chain, milp, traced, f"{time.perf_counter() - t0:.1f} s", other)
 
@@ -461,9 +467,12 @@ def _cheaper(
         if milp is None:
             assert chain is not None, "the chain DP runs wherever the MILP found no plan"
             raise chain from None  # one least peak per error, not a chain of them
-        return dataclasses.replace(
-            milp, solver="auto", reason=f"{milp.reason}; no plan of {other} fits; {took}"
+        none = (
+            f"no plan of {other} fits"
+            if isinstance(chain, BudgetError)
+            else f"{other}: no plan that fits and recomputes less ({traced} traced)"
         )
+        return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {none}; {took}")
     if milp is None or _cost(milp) >= _cost(chain):
         also = (
             f"; the exact MILP's plan was not cheaper ({_ms(milp)} against {_ms(chain)} of "
@@ -476,8 +485,12 @@ def _cheaper(
     return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {why}; {took}")
 
 
-def _cost(solution: Solution) -> tuple[float, int]:
-    return solution.trace.recompute_time_s, solution.trace.peak_bytes
+def _cost(solution: Solution | StepTrace | None) -> tuple[float, float]:
+    """What ``auto`` minimises: recompute time, then peak (None: no plan, infinite)."""
+    if solution is None:
+        return math.inf, math.inf
+    trace = solution.trace if isinstance(solution, Solution) else solution
+    return trace.recompute_time_s, trace.peak_bytes
 
 
 def _ms(solution: Solution) -> str:
@@ -490,10 +503,13 @@ def _chain(
     budget_bytes: int,
     config: SolverConfig,
     uniform: UniformCosts | None = None,
-) -> tuple[Solution | BudgetError, int]:
+    beat: Solution | None = None,
+) -> tuple[Solution | BudgetError | None, int]:
     """The chain DP's cheapest traced plan that fits (or the error saying none does), and
     how many plans it traced. Its time limit counts the events it traces: where it cuts the
-    DP's budgets short, the reason says so."""
+    DP's budgets short, the reason says so. ``beat``: a traced plan that fits (the MILP's);
+    only plans that recompute less are traced (a plan's recompute time is its blocks', known
+    before its trace), and None is returned where none does."""
     t0 = time.perf_counter()
     deadline = clock.now() + config.time_limit_s
     n = len(problem.blocks)
@@ -532,7 +548,8 @@ def _chain(
     most = problem.baseline.peak_bytes
     grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
     # The budget's own plan first: the one that matters when the time limit cuts the rest.
-    best = functools.partial(_least_fitting, found, budget_bytes)
+    floor = beat.trace.recompute_time_s if beat is not None else math.inf
+    best = functools.partial(_least_fitting, found, budget_bytes, floor)
     targets = [budget_bytes] + [g for g in grid if g < budget_bytes]
     events = len(problem.baseline.events)
     if events * GRID_POINTS > GRID_EVENTS:
@@ -548,13 +565,17 @@ def _chain(
             progress(f"native: time limit reached{cut}")
             break
         _fit(table, target, n, run, best)
-    _per_block_contenders(table, n, n_opts, budget_bytes, run)
+    _per_block_contenders(table, n, n_opts, budget_bytes, run, best)
     if schedule is not None:
-        _misjudged(table, n, n_opts, budget_bytes, found, run)
+        _misjudged(table, n, n_opts, budget_bytes, run, best)
     if shallow is not None:
-        _uniform_contenders(shallow, n, budget_bytes, found, run)
-    fitting = [(c, t) for c, t in found.items() if t.peak_bytes <= budget_bytes]
+        _uniform_contenders(shallow, n, budget_bytes, found, run, best)
+    fitting = [
+        (c, t) for c, t in found.items() if t.peak_bytes <= budget_bytes and _cost(t) < _cost(beat)
+    ]
     traced = len(found) - 1
+    if not fitting and beat is not None:
+        return None, traced
     if not fitting:
         least_found = min(t.peak_bytes for t in found.values())
         return BudgetError(budget_bytes, least_found, "native SAC"), traced
@@ -621,26 +642,30 @@ def _uniform_contenders(
     budget_bytes: int,
     found: dict[tuple[int, ...], StepTrace],
     run: Callable[[Sequence[int]], StepTrace],
+    best: Callable[[], float],
 ) -> None:
     """Trace on the model each uniform plan costed on the copies that could be the answer:
-    one that fits and recomputes no more than the best traced plan that fits (so the answer
-    is the one tracing every uniform plan would give); where none of those fits, the one of
-    least peak (whose peak the error reports)."""
-    best = _least_fitting(found, budget_bytes)
+    one that fits and recomputes no more than ``best()``, the best traced plan that fits (so
+    the answer is the one tracing every uniform plan would give); where no plan fits, the
+    one of least peak (whose peak the error reports)."""
+    least = best()
     for o, (c, peak) in enumerate(rows):
-        if peak <= budget_bytes and sum(c.time_s) <= best * (1 + 1e-9) + 1e-15:
+        if peak <= budget_bytes and sum(c.time_s) <= least * (1 + 1e-9) + 1e-15:
             run([o] * n)
-    if not any(t.peak_bytes <= budget_bytes for t in found.values()):
+    if best() == math.inf:
         run([min(range(len(rows)), key=lambda o: rows[o][1])] * n)
 
 
 def _per_block(
-    problem: NativeProblem, tracer: Tracer, budget_bytes: int
+    problem: NativeProblem, tracer: Tracer, budget_bytes: int, beat: Solution | None = None
 ) -> tuple[Solution | None, int]:
     """The cheapest plan that fits of Megatron's per-block family (the first ``N`` blocks
     recomputed whole, the rest eager; ``recompute_num_layers``), ``N`` found by bisection
     (a peak that falls as blocks are recomputed): where the chain DP does not run, ``auto``
-    is still never worse than it. None where no ``N`` fits."""
+    is still never worse than it. None where no ``N`` fits, or (``beat``: a traced plan that
+    fits) where none that recomputes less than ``beat`` does: each block's recompute is
+    read off the plan recomputing every block, traced first, and the family's members that
+    recompute as much as ``beat`` or more are not traced."""
     every = fixed_policies(problem, "block")
     n = len(every)
     traces: dict[int, StepTrace] = {0: problem.baseline}
@@ -652,7 +677,13 @@ def _per_block(
 
     if trace(n).peak_bytes > budget_bytes:
         return None, len(traces) - 1
-    lo, hi = 0, n  # lo does not fit, hi does
+    hi = n  # the first members recomputing less than ``beat``: up to ``hi`` blocks
+    if beat is not None:
+        spent = itertools.accumulate(costs(trace(n)).time_s, initial=0.0)
+        hi = max(k for k, t in enumerate(spent) if t < beat.trace.recompute_time_s)
+        if hi < n and trace(hi).peak_bytes > budget_bytes:
+            return None, len(traces) - 1
+    lo = 0  # lo does not fit, hi does
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if trace(mid).peak_bytes <= budget_bytes else (mid, hi)
@@ -676,11 +707,14 @@ def _per_block_contenders(
     n_opts: int,
     budget_bytes: int,
     run: Callable[[Sequence[int]], StepTrace],
+    best: Callable[[], float],
 ) -> None:
     """Trace the cheapest of Megatron's per-block family that fits: the first ``N`` blocks
     recomputed whole, the others eager (``recompute_num_layers``). The DP's search holds
     this family, but its budgets may step over the one plan of it that fits; traced here,
-    ``auto`` is never worse than it (up to :data:`PER_BLOCK_TRACES` blocks misjudged)."""
+    ``auto`` is never worse than it (up to :data:`PER_BLOCK_TRACES` blocks misjudged). A
+    member recomputing more than ``best()`` (a traced plan that fits) is not traced, nor
+    are those after it, which recompute more."""
     every = n_opts - 1  # each class's last option: recompute all
 
     def family(k: int) -> list[int]:
@@ -688,14 +722,19 @@ def _per_block_contenders(
 
     modelled = next((k for k in range(n + 1) if chain_peak(table, family(k)) <= budget_bytes), n)
     for k in range(modelled, min(n, modelled + PER_BLOCK_TRACES) + 1):
+        if chain_time(table, family(k)) > best() * (1 + 1e-9):
+            return
         if run(family(k)).peak_bytes <= budget_bytes:
             return
 
 
-def _least_fitting(found: Mapping[tuple[int, ...], StepTrace], budget_bytes: int) -> float:
-    """The least recompute time of a traced plan that fits (inf: none fits yet)."""
+def _least_fitting(
+    found: Mapping[tuple[int, ...], StepTrace], budget_bytes: int, floor: float = math.inf
+) -> float:
+    """The least recompute time of a traced plan that fits, or ``floor`` (another traced
+    plan's that fits) if less (inf: none fits yet)."""
     fits = (t.recompute_time_s for t in found.values() if t.peak_bytes <= budget_bytes)
-    return min(fits, default=math.inf)
+    return min([*fits, floor])
 
 
 def _policies(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> list[Policy]:
@@ -728,23 +767,23 @@ def _misjudged(
     n: int,
     n_opts: int,
     budget_bytes: int,
-    found: dict[tuple[int, ...], StepTrace],
     run: Callable[[Sequence[int]], StepTrace],
+    best: Callable[[], float],
 ) -> None:
     """Trace the plans a user would try by hand that the DP's model of a pipeline stage may
     have misjudged: one option on every block, and Megatron's ``recompute_num_layers`` (the
-    first N blocks recomputed whole, the rest eager). Those with less recompute than the
-    best traced plan that fits, and that the model does not put over the budget, are
-    traced, least recompute first, until one fits: so none of them that the model puts
-    within the budget is cheaper than the chosen plan and fits (one the model puts over it,
-    wrongly, can be missed)."""
-    best = _least_fitting(found, budget_bytes)
+    first N blocks recomputed whole, the rest eager). Those with less recompute than
+    ``best()``, the best traced plan that fits, and that the model does not put over the
+    budget, are traced, least recompute first, until one fits: so none of them that the
+    model puts within the budget is cheaper than the chosen plan and fits (one the model
+    puts over it, wrongly, can be missed)."""
+    least = best()
     last = n_opts - 1
     candidates = [[o] * n for o in range(n_opts)]
     candidates += [[last] * first + [0] * (n - first) for first in range(1, n)]
 
     for choice in sorted(candidates, key=lambda choice: chain_time(table, choice)):
-        if chain_time(table, choice) >= best:
+        if chain_time(table, choice) >= least:
             return
         if chain_peak(table, choice) <= budget_bytes and run(choice).peak_bytes <= budget_bytes:
             return
@@ -800,9 +839,11 @@ def planned(
                 f"{fmt_bytes(plan.predicted_peak_bytes)}): solving for less"
             )
         assert target is not None
-        # From the plan's simulated peak, which can be well below the target asked for.
+        # From the plan's simulated peak, which can be well below the target asked for,
+        # less the excess and a share of the simulation's miss (:data:`MISS_MARGIN`).
         target = min(target, plan.predicted_peak_bytes)
-        target -= -(-(trace.peak_bytes - budget_bytes) // copies)
+        miss = max(0, trace.peak_bytes - plan.predicted_peak_bytes)
+        target -= -(-(trace.peak_bytes - budget_bytes + int(miss * MISS_MARGIN)) // copies)
         if target < 0:  # the dataflow's peaks are far below the traced ones: give up
             break
     assert budget_bytes is not None

@@ -18,7 +18,7 @@ from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import NO_CHECKPOINT, SAC, Lifetimes, schedule_of
 from remat.solver.plan import Proof, make_plan
 from remat.solver.simulate import simulate
-from remat.solver.spans import _Held, _solve_lazily
+from remat.solver.spans import _Held, _solve
 
 KiB = 1024
 
@@ -141,13 +141,13 @@ def test_lifetimes_bound_each_single_choice_and_are_exact_for_regions(seed: int)
             assert _model_peak(lt, {c.name}) >= simulated, c.name
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("seed", "regions", "ops"), [(s, 2, 3) for s in range(6)] + [(6, 4, 2)])
 def test_spans_milp_is_the_brute_force_optimum_of_its_model(
-    seed: int, monkeypatch: pytest.MonkeyPatch
+    seed: int, regions: int, ops: int
 ) -> None:
-    """Rows added two at a time (the lazy loop runs), the optimum is brute force's."""
-    monkeypatch.setattr(spans, "ROWS", 2)
-    problem = sac_chain(seed, regions=2, ops=3)
+    """The running sums' rows (each the row before, plus and less the lifetimes that start
+    and end between) give brute force's optimum."""
+    problem = sac_chain(seed, regions=regions, ops=ops)
     lt = SAC.lifetimes(problem)  # type: ignore[misc]
     names = [c.name for c in lt.candidates]
     groups = {c.name: c.group for c in lt.candidates}
@@ -162,7 +162,7 @@ def test_spans_milp_is_the_brute_force_optimum_of_its_model(
             if _model_peak(lt, k) <= budget:
                 cost = sum(c.time_s for c in lt.candidates if c.name not in k)
                 best = cost if best is None else min(best, cost)
-    found = _solve_lazily(lt, _Held(lt), budget, False, SolverConfig(), time.perf_counter() + 60)
+    found = _solve(lt, _Held(lt), budget, False, SolverConfig(), time.perf_counter() + 60)
     assert best is not None and found is not None
     kept = {n for n, x in zip(names, found, strict=True) if x > 0.5}
     assert _model_peak(lt, kept) <= budget
@@ -197,15 +197,15 @@ def test_spans_rounds_scout_to_a_loose_gap_then_polish_the_round_that_fits(
     again to ``GAP``, warm-started from the scout's solution, and the cheaper fitting plan
     of the two is returned: as cheap as solving every round to ``GAP``."""
     calls: list[tuple[int, float, list[float] | None, list[float] | None]] = []
-    solve_lazily = spans._solve_lazily
+    solve = spans._solve
 
     def spy(*args: Any) -> list[float] | None:
-        found = solve_lazily(*args)
+        found = solve(*args)
         budget, gap, start = args[2], args[6], args[7] if len(args) > 7 else None
         calls.append((budget, gap, start, found))
         return found
 
-    monkeypatch.setattr(spans, "_solve_lazily", spy)
+    monkeypatch.setattr(spans, "_solve", spy)
     problem = sac_chain(seed, regions=3, ops=4)
     least = make_plan(problem, (), solver="t", reason="", proof=Proof.HEURISTIC)
     most = registry.solve(problem, solver="keep_all", budget_bytes=None)
@@ -221,6 +221,11 @@ def test_spans_rounds_scout_to_a_loose_gap_then_polish_the_round_that_fits(
     assert plan.recompute_time_s <= tight.recompute_time_s * (1 + spans.GAP) + 1e-15
 
 
+def _held_at(lt: Lifetimes, m: int) -> dict[int, int]:
+    """Candidate -> bytes it holds at moment ``m`` if kept."""
+    return {k: n for k, c in enumerate(lt.candidates) for n, a, b in c.pieces if a <= m <= b and n}
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_each_moment_s_row_is_implied_by_its_representative_s(seed: int) -> None:
     """The spans MILP writes one row per run of moments that hold the same candidates: the
@@ -230,7 +235,7 @@ def test_each_moment_s_row_is_implied_by_its_representative_s(seed: int) -> None
     assert len(set(held.rep.tolist())) < len(lt.base)  # some moments are represented
     for m in range(len(lt.base)):
         r = int(held.rep[m])
-        assert held.at(m) == held.at(r)
+        assert _held_at(lt, m) == _held_at(lt, r)
         assert held.base[r] >= held.base[m]
 
 
