@@ -91,8 +91,9 @@ class Request:
     progress: Callable[[str], None] | None = field(default=None, compare=False)
     """Called with a short status line as long solves advance."""
     workers: int | None = None
-    """Processes tracing a native fit's steps at once (:mod:`remat.native.workers`): None,
-    one per core (up to 8) where the traces add up to 10 s or more; 1, this process alone."""
+    """Processes tracing at once (:mod:`remat.native.workers`) a native fit's steps, or the
+    chain DP's uniform plans on a deep stack's shallow copies: None, one per core (up to 8)
+    where the traces add up to 10 s or more; 1, this process alone. The plan is the same."""
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.activation_budget_bytes is not None:

@@ -683,7 +683,7 @@ def uniform_costs(
         plans = planner.uniform_plans(problem)
         return lambda name: traced.trace(args, kwargs, plans[name])
 
-    return shallow.uniform_costs(model, regions_, units, copy_of)
+    return shallow.uniform_costs(model, regions_, units, copy_of, req.workers)
 
 
 def _worth_a_region(

@@ -58,6 +58,7 @@ from remat.native.pipelining import ScheduleTrace
 from remat.native.regions import FullReplay, OpKey, Policy
 from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
+from remat.native.workers import Mapped
 from remat.problem import Problem
 from remat.solver import clock, registry
 from remat.solver.chain import (
@@ -416,25 +417,31 @@ def solve(
     t0 = time.perf_counter()
     chain: Solution | BudgetError | None = None
     traced, other = 0, "the chain DP"
-    if not milp_first:
-        chain, traced = _chain(problem, tracer, budget_bytes, config, uniform)
-    milp = _milp(problem, tracer, budget_bytes, config)
-    if milp_first:
-        n_opts = menus_of(problem)[2]
-        work = n_opts * len(problem.baseline.events)
-        shallow = uniform is not None and len(problem.blocks) >= MIN_REGIONS
-        if milp is None or shallow or work <= SECOND_OPINION_EVENTS:
-            chain, traced = _chain(problem, tracer, budget_bytes, config, uniform, milp)
-        else:
-            if config.progress:
-                config.progress(
-                    f"native: the chain DP's {n_opts} traces of "
-                    f"{len(problem.baseline.events):,} events each (more than "
-                    f"{SECOND_OPINION_EVENTS:,} in all): not run; the per-block family "
-                    "instead, by bisection"
-                )
-            chain, traced = _per_block(problem, tracer, budget_bytes, milp)
-            other = "the per-block family"
+    progress = config.progress or (lambda _: None)
+    # Started first: on forked workers where they pay, the copies trace while the MILP solves.
+    copies = _copies(problem, uniform, progress) if problem.baseline.schedule is None else None
+    try:
+        if not milp_first:
+            chain, traced = _chain(problem, tracer, budget_bytes, config, copies)
+        milp = _milp(problem, tracer, budget_bytes, config)
+        if milp_first:
+            n_opts = menus_of(problem)[2]
+            work = n_opts * len(problem.baseline.events)
+            if milp is None or copies is not None or work <= SECOND_OPINION_EVENTS:
+                chain, traced = _chain(problem, tracer, budget_bytes, config, copies, milp)
+            else:
+                if config.progress:
+                    config.progress(
+                        f"native: the chain DP's {n_opts} traces of "
+                        f"{len(problem.baseline.events):,} events each (more than "
+                        f"{SECOND_OPINION_EVENTS:,} in all): not run; the per-block family "
+                        "instead, by bisection"
+                    )
+                chain, traced = _per_block(problem, tracer, budget_bytes, milp)
+                other = "the per-block family"
+    finally:
+        if copies is not None:  # read, or not needed: its workers stop
+            copies.close()
     return _cheaper(chain, milp, traced, f"{time.perf_counter() - t0:.1f} s", other)
 
 
@@ -502,12 +509,14 @@ def _chain(
     tracer: Tracer,
     budget_bytes: int,
     config: SolverConfig,
-    uniform: UniformCosts | None = None,
+    copies: Mapped | None = None,
     beat: Solution | None = None,
 ) -> tuple[Solution | BudgetError | None, int]:
     """The chain DP's cheapest traced plan that fits (or the error saying none does), and
     how many plans it traced. Its time limit counts the events it traces: where it cuts the
-    DP's budgets short, the reason says so. ``beat``: a traced plan that fits (the MILP's);
+    DP's budgets short, the reason says so. ``copies``: the uniform plans' costs on
+    shallow copies (:func:`_copies`), where it has them. ``beat``: a traced plan that fits
+    (the MILP's);
     only plans that recompute less are traced (a plan's recompute time is its blocks', known
     before its trace), and None is returned where none does."""
     t0 = time.perf_counter()
@@ -529,7 +538,7 @@ def _chain(
     schedule = problem.baseline.schedule
     shallow: list[tuple[ChainCosts, int]] | None = None
     if schedule is None:
-        shallow = _shallow_costs(problem, uniform, n_classes, n_opts, progress)
+        shallow = _shallow_costs(problem, copies, progress)
     if shallow is not None:
         table = [c for c, _ in shallow]
         least = min(peak for _, peak in shallow)
@@ -582,14 +591,14 @@ def _chain(
     choice, trace = min(fitting, key=lambda ct: (ct[1].recompute_time_s, ct[1].peak_bytes))
     names = [options_of[k][o].name for k, o in enumerate(choice)]
     summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
-    copies = (
+    on_copies = (
         f"; the uniform plans costed on copies with {SHALLOW[0]} and {SHALLOW[1]} regions"
         if shallow is not None
         else ""
     )
     reason = (
         f"chain DP over {n} regions ({n_opts} options per class, {traced} plans traced "
-        f"on FakeTensors{copies}): {summary}{cut}"
+        f"on FakeTensors{on_copies}): {summary}{cut}"
     )
     chosen = Solution(
         tuple(_policies(options_of, choice)),
@@ -602,38 +611,50 @@ def _chain(
     return chosen, traced
 
 
-def _shallow_costs(
-    problem: NativeProblem,
-    uniform: UniformCosts | None,
-    n_classes: int,
-    n_opts: int,
-    progress: Callable[[str], object],
-) -> list[tuple[ChainCosts, int]] | None:
-    """The uniform plans' chain costs and peaks from shallow copies (None: trace them on the
-    model), checked on the eager plan against the model's own trace."""
+def _copies(
+    problem: NativeProblem, uniform: UniformCosts | None, progress: Callable[[str], object]
+) -> Mapped | None:
+    """The uniform plans' chain costs and peaks from shallow copies, started (on forked
+    workers where they pay: the MILP solves meanwhile); None where the model's own traces
+    cost them (a stack too shallow for copies to pay, or copies that do not run)."""
     n = len(problem.blocks)
     if uniform is None or n < MIN_REGIONS:
         return None
+    _, n_classes, n_opts = menus_of(problem)
     progress(
         f"native: {n} regions, {n_classes} class(es), {n_opts} options; each traced on "
         f"copies with {SHALLOW[0]} and {SHALLOW[1]} regions"
     )
-    names = list(uniform_plans(problem))
-    baseline = problem.baseline
     try:
-        (eager,) = uniform(names[:1])
-        if eager != (costs(baseline), baseline.peak_bytes):
-            # E.g. a peak between ops (RNG states, FSDP2's resized parameters on the host),
-            # which is no op's moment and does not extrapolate.
-            progress(
-                f"native: the copies' eager step is not the model's (peak {eager[1]:,} B "
-                f"against {baseline.peak_bytes:,} B); tracing it instead"
-            )
-            return None
-        return [eager, *uniform(names[1:])]
+        return uniform(list(uniform_plans(problem)))
     except Exception as e:  # any failure of the copies: the model's own traces are exact
         progress(f"native: the copies do not stand for the model ({e}); tracing it instead")
         return None
+
+
+def _shallow_costs(
+    problem: NativeProblem, copies: Mapped | None, progress: Callable[[str], object]
+) -> list[tuple[ChainCosts, int]] | None:
+    """:func:`_copies`' costs and peaks (None: trace them on the model), checked on the
+    eager plan against the model's own trace."""
+    if copies is None:
+        return None
+    baseline = problem.baseline
+    with copies:
+        try:
+            eager = next(copies)
+            if eager != (costs(baseline), baseline.peak_bytes):
+                # E.g. a peak between ops (RNG states, FSDP2's resized parameters on the
+                # host), which is no op's moment and does not extrapolate.
+                progress(
+                    f"native: the copies' eager step is not the model's (peak {eager[1]:,} B "
+                    f"against {baseline.peak_bytes:,} B); tracing it instead"
+                )
+                return None
+            return [eager, *copies]
+        except Exception as e:  # any failure of the copies: the model's own traces are exact
+            progress(f"native: the copies do not stand for the model ({e}); tracing it instead")
+            return None
 
 
 def _uniform_contenders(

@@ -25,6 +25,7 @@ from remat import _torch_compat as tc
 from remat.native.deep import WIDE, deep_costs, deep_sample
 from remat.native.regions import STACKS
 from remat.native.trace import StepTrace
+from remat.native.workers import Mapped, mapped
 from remat.solver.chain import ChainCosts
 from remat.solver.formula import FitError
 
@@ -37,12 +38,19 @@ copies try narrower edges first (:data:`remat.native.deep.EDGES`)."""
 MIN_REGIONS = sum(SHALLOW) + 1
 """Regions from which the copies' two steps cost less than one of the model's."""
 
+FORK_WORK_S = 3.0
+"""With the worker count automatic, the uniform plans are traced on forked workers where
+they would take this long or more here (a 70B Llama's copies: ten plans of about a second;
+a fork of the analysed process costs a fraction of one)."""
+
 Copy = Callable[[nn.Module, tuple[str, ...], tuple[str, ...]], Callable[[str], StepTrace]]
 """Analyzes a copy (the model, its regions, its FSDP2 units) and returns how to trace it
 under one of its uniform plans, by the plan's name (its menu must be the model's)."""
 
-UniformCosts = Callable[[Sequence[str]], list[tuple[ChainCosts, int]]]
-"""Per uniform plan (by name, in menu order): the model's chain costs and peak under it."""
+UniformCosts = Callable[[Sequence[str]], Mapped]
+"""Per uniform plan (by name, in menu order): the model's chain costs and peak under it,
+started at the call (on forked workers where they pay, so the caller can solve meanwhile)
+and read in order; closing it stops the workers."""
 
 
 def _stack(model: nn.Module, regions: Sequence[str]) -> str:
@@ -99,11 +107,14 @@ def uniform_costs(
     regions: tuple[str, ...],
     units: tuple[str, ...],
     analyzed: Copy,
+    workers: int | None = None,
 ) -> UniformCosts | None:
     """The costs of the uniform plans of ``model`` (with ``regions``, FSDP2 ``units``) from
     its two copies, analyzed with ``analyzed`` on first use; None where the regions are not
     a ModuleList's children. Its calls raise :class:`FitError` where the copies are no stack
-    of equal blocks (and whatever the copies' traces raise)."""
+    of equal blocks (and whatever the copies' traces raise). ``workers``: processes tracing
+    the plans at once (:func:`remat.native.workers.mapped`; None: one per core where the
+    traces take long; a 70B Llama's eleven plans on its copies: 11 s on one core)."""
     try:
         path = _stack(model, regions)
     except FitError:
@@ -111,19 +122,19 @@ def uniform_costs(
     outside = sum(not r.startswith(path + ".") for r in regions)
     tracers: list[Callable[[str], StepTrace]] = []
 
-    def costs(names: Sequence[str]) -> list[tuple[ChainCosts, int]]:
+    def costs(names: Sequence[str]) -> Mapped:
         if not tracers:
             for n in SHALLOW:
                 copy_, kept = truncated(model, regions, n - outside)
                 if len(kept) != n:
                     raise FitError(f"the copy has {len(kept)} regions, not {n}")
                 tracers.append(analyzed(copy_, kept, _kept(units, path, n - outside)))
-        out = []
-        for name in names:
-            small, large = (trace(name) for trace in tracers)
-            layers = len(regions)
-            peak = deep_sample(small, large, layers, WIDE).peak
-            out.append((deep_costs(small, large, layers, WIDE), peak))
-        return out
+        return mapped(one, [(name,) for name in names], workers, min_work_s=FORK_WORK_S)
+
+    def one(name: str) -> tuple[ChainCosts, int]:
+        small, large = (trace(name) for trace in tracers)
+        layers = len(regions)
+        peak = deep_sample(small, large, layers, WIDE).peak
+        return deep_costs(small, large, layers, WIDE), peak
 
     return costs

@@ -88,10 +88,11 @@ def mapped(
     units: Sequence[Sequence[Any]],
     workers: int | None,
     announce: Callable[[int], None] | None = None,
+    min_work_s: float = MIN_WORK_S,
 ) -> Mapped:
     """``work(*unit)`` for each unit, in order. ``workers``: processes (1: this one alone);
-    None: the first unit here, then, where the rest would take :data:`MIN_WORK_S` or more
-    at its pace, one forked process per core (up to :data:`AUTO_MAX`). ``work`` need not be
+    None: the first unit here, then, where the rest would take ``min_work_s`` or more at its
+    pace, one forked process per core (up to :data:`AUTO_MAX`). ``work`` need not be
     picklable (the workers inherit it); its results must be. ``announce`` is called with the
     number of processes where there are several.
 
@@ -105,7 +106,7 @@ def mapped(
         t0 = time.perf_counter()
         done.append(work(*todo[0]))
         todo = todo[1:]
-        enough = (time.perf_counter() - t0) * len(todo) >= MIN_WORK_S
+        enough = (time.perf_counter() - t0) * len(todo) >= min_work_s
         workers = min(_cores(), AUTO_MAX) if enough else 1
     count = min(workers or 1, len(todo)) if _forkable() else 1
     if count <= 1:

@@ -47,7 +47,7 @@ def test_uniform_plans_costed_on_copies_are_the_models_and_so_is_the_answer(
     req = Request.of(zero_stage=3, world_size=4, device_profile="h100")
     traced, problem, uniform = _analyzed(model, args, req)
     plans = planner.uniform_plans(problem)
-    rows = uniform(list(plans))
+    rows = list(uniform(list(plans)))
     seen: dict[tuple[Any, ...], Any] = {}
 
     def tracer(policies, schedule=True):  # type: ignore[no-untyped-def]
@@ -63,7 +63,10 @@ def test_uniform_plans_costed_on_copies_are_the_models_and_so_is_the_answer(
     budget = (min(t.peak_bytes for t in traces) + problem.baseline.peak_bytes) // 2
 
     config = SolverConfig()
-    whole, copies = (planner._chain(problem, tracer, budget, config, u)[0] for u in (None, uniform))
+    whole, copies = (
+        planner._chain(problem, tracer, budget, config, c)[0]
+        for c in (None, planner._copies(problem, uniform, print))
+    )
     assert isinstance(whole, planner.Solution) and isinstance(copies, planner.Solution)
     assert copies.options == whole.options and copies.policies == whole.policies
     assert copies.trace.peak_bytes == whole.trace.peak_bytes <= budget
@@ -92,7 +95,8 @@ def test_a_peak_between_ops_is_no_copy_s_and_the_model_is_traced(
     seen: list[str] = []
     with kv_cache_off(model):
         _, problem, uniform = _analyzed(model, args, req)
-        assert planner._shallow_costs(problem, uniform, 1, 1, seen.append) is None
+        copies = planner._copies(problem, uniform, seen.append)
+        assert planner._shallow_costs(problem, copies, seen.append) is None
     assert "the copies' eager step is not the model's" in seen[-1], seen
 
 
@@ -123,7 +127,7 @@ def test_a_stack_its_copies_cannot_stand_for_is_traced_itself() -> None:
     _, problem = analyze(model, blocks, args, {}, req, profile)
     seen: list[str] = []
     uniform = uniform_costs(model, blocks, blocks, args, {}, req, profile)
-    assert planner._shallow_costs(problem, uniform, 1, 3, seen.append) is None
+    assert planner._copies(problem, uniform, seen.append) is None
     assert "the copies do not stand for the model" in seen[-1]
     assert f"built with {MIN_REGIONS} layers, has 5" in seen[-1]
 
