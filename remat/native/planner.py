@@ -516,9 +516,8 @@ def _chain(
     how many plans it traced. Its time limit counts the events it traces: where it cuts the
     DP's budgets short, the reason says so. ``copies``: the uniform plans' costs on
     shallow copies (:func:`_copies`), where it has them. ``beat``: a traced plan that fits
-    (the MILP's);
-    only plans that recompute less are traced (a plan's recompute time is its blocks', known
-    before its trace), and None is returned where none does."""
+    (the MILP's); only plans that recompute less are traced (a plan's recompute time is its
+    blocks', known before its trace), and None is returned where none does."""
     t0 = time.perf_counter()
     deadline = clock.now() + config.time_limit_s
     n = len(problem.blocks)
