@@ -163,9 +163,10 @@ def _solve(
     deadline: float,
     gap: float = GAP,
     start: list[float] | None = None,
-) -> list[float] | None:
-    """The model's optimum within ``gap`` (values of ``s``), warm-started from ``start``;
-    None when infeasible or out of time."""
+) -> tuple[list[float], bool] | None:
+    """The model's optimum within ``gap`` (values of ``s``), warm-started from ``start``,
+    and whether the gap was closed (not where the work limit stopped the solver first); None
+    when infeasible or out of time before a solution."""
     lp, s = _model(lt, held, budget, relax)
     warm = {x: round(v) for x, v in zip(s, start, strict=True)} if start else {}
     left = deadline - clock.now()
@@ -176,7 +177,7 @@ def _solve(
     status = pulp.LpStatus[lp.status]
     if status not in ("Optimal", "Not Solved") or None in values:
         return None
-    return [float(v) for v in values]
+    return [float(v) for v in values], status == "Optimal"
 
 
 def _plans(
@@ -230,27 +231,25 @@ def solve_spans(
         if max(lt.base, default=0) > target:
             break
         gap = GAP if relax else SCOUT_GAP
-        found = _solve(lt, held, target, relax, config, deadline, gap)
-        if found is None:
+        solved = _solve(lt, held, target, relax, config, deadline, gap)
+        if solved is None:
             break  # infeasible for this budget, or out of time
+        found, closed = solved
 
-        def reason(gap: float, round_: int = round_) -> str:
-            how = (
-                "LP relaxation, rounded"
-                if relax
-                else f"MILP (to a {gap:.1%} gap in the time saved)"
-            )
+        def reason(gap: float, closed: bool, round_: int = round_) -> str:
+            to = f"to a {gap:.1%} gap" if closed else f"its work limit before a {gap:.1%} gap"
+            how = "LP relaxation, rounded" if relax else f"MILP ({to} in the time saved)"
             return (
                 f"{how} over {len(lt.candidates)} candidates' fixed lifetimes ({ex.name} "
                 f"executor), round {round_ + 1}, {time.perf_counter() - t0:.1f} s"
             )
 
-        plans = _plans(problem, lt, found, relax, reason(gap))
+        plans = _plans(problem, lt, found, relax, reason(gap, closed))
         fitting = [p for p in plans if p.predicted_peak_bytes <= budget_bytes]
         if fitting and not relax:
             polished = _solve(lt, held, target, relax, config, deadline, GAP, found)
             if polished is not None:
-                plans = _plans(problem, lt, polished, relax, reason(GAP))
+                plans = _plans(problem, lt, polished[0], relax, reason(GAP, polished[1]))
                 # First: on a tie the polished plan is returned, under the gap it was
                 # solved to.
                 fitting[:0] = [p for p in plans if p.predicted_peak_bytes <= budget_bytes]

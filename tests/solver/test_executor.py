@@ -162,8 +162,10 @@ def test_spans_milp_is_the_brute_force_optimum_of_its_model(
             if _model_peak(lt, k) <= budget:
                 cost = sum(c.time_s for c in lt.candidates if c.name not in k)
                 best = cost if best is None else min(best, cost)
-    found = _solve(lt, _Held(lt), budget, False, SolverConfig(), time.perf_counter() + 60)
-    assert best is not None and found is not None
+    solved = _solve(lt, _Held(lt), budget, False, SolverConfig(), time.perf_counter() + 60)
+    assert best is not None and solved is not None
+    found, closed = solved
+    assert closed  # a model this small is solved to its gap
     kept = {n for n, x in zip(names, found, strict=True) if x > 0.5}
     assert _model_peak(lt, kept) <= budget
     assert sum(c.time_s for c in lt.candidates if c.name not in kept) == pytest.approx(best)
@@ -199,10 +201,10 @@ def test_spans_rounds_scout_to_a_loose_gap_then_polish_the_round_that_fits(
     calls: list[tuple[int, float, list[float] | None, list[float] | None]] = []
     solve = spans._solve
 
-    def spy(*args: Any) -> list[float] | None:
+    def spy(*args: Any) -> tuple[list[float], bool] | None:
         found = solve(*args)
         budget, gap, start = args[2], args[6], args[7] if len(args) > 7 else None
-        calls.append((budget, gap, start, found))
+        calls.append((budget, gap, start, found[0] if found else None))
         return found
 
     monkeypatch.setattr(spans, "_solve", spy)
