@@ -93,7 +93,8 @@ class Request:
     workers: int | None = None
     """Processes tracing at once (:mod:`remat.native.workers`) a native fit's steps, or the
     chain DP's uniform plans on a deep stack's shallow copies: None, one per core (up to 8)
-    where the traces add up to 10 s or more; 1, this process alone. The plan is the same."""
+    where the traces add up to 10 s or more (3 s for the copies, which trace while the MILP
+    solves); 1, this process alone. The plan is the same."""
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.activation_budget_bytes is not None:

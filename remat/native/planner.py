@@ -666,14 +666,17 @@ def _uniform_contenders(
 ) -> None:
     """Trace on the model each uniform plan costed on the copies that could be the answer:
     one that fits and recomputes no more than ``best()``, the best traced plan that fits (so
-    the answer is the one tracing every uniform plan would give); where no plan fits, the
-    one of least peak (whose peak the error reports)."""
+    the answer is the one tracing every uniform plan would give); where no traced plan of
+    its own fits, the one of least peak if it recomputes less than ``best()`` (the copies
+    may misjudge its peak; without another plan, the error reports it)."""
     least = best()
     for o, (c, peak) in enumerate(rows):
         if peak <= budget_bytes and sum(c.time_s) <= least * (1 + 1e-9) + 1e-15:
             run([o] * n)
-    if best() == math.inf:
-        run([min(range(len(rows)), key=lambda o: rows[o][1])] * n)
+    if not any(t.peak_bytes <= budget_bytes for t in found.values()):
+        lowest = min(range(len(rows)), key=lambda o: rows[o][1])
+        if sum(rows[lowest][0].time_s) < best():
+            run([lowest] * n)
 
 
 def _per_block(
@@ -700,7 +703,8 @@ def _per_block(
     hi = n  # the first members recomputing less than ``beat``: up to ``hi`` blocks
     if beat is not None:
         spent = itertools.accumulate(costs(trace(n)).time_s, initial=0.0)
-        hi = max(k for k, t in enumerate(spent) if t < beat.trace.recompute_time_s)
+        # (0 where ``beat`` recomputes nothing: the baseline, which does not fit.)
+        hi = max((k for k, t in enumerate(spent) if t < beat.trace.recompute_time_s), default=0)
         if hi < n and trace(hi).peak_bytes > budget_bytes:
             return None, len(traces) - 1
     lo = 0  # lo does not fit, hi does
@@ -862,7 +866,9 @@ def planned(
         # From the plan's simulated peak, which can be well below the target asked for,
         # less the excess and a share of the simulation's miss (:data:`MISS_MARGIN`).
         target = min(target, plan.predicted_peak_bytes)
-        miss = max(0, trace.peak_bytes - plan.predicted_peak_bytes)
+        # On a pipeline stage the trace is the schedule's and the simulation one
+        # microbatch's: their difference is no miss.
+        miss = max(0, trace.peak_bytes - plan.predicted_peak_bytes) if schedule is None else 0
         target -= -(-(trace.peak_bytes - budget_bytes + int(miss * MISS_MARGIN)) // copies)
         if target < 0:  # the dataflow's peaks are far below the traced ones: give up
             break

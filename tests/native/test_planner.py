@@ -6,6 +6,7 @@ first in a second pass, and ``remat.apply``'s time limit shared by its two passe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from remat.request import Request
 from remat.solver import clock
 from remat.solver.chain import chain_time
 from remat.solver.config import SolverConfig
+from remat.solver.plan import Proof
 from tests.zoo import llama
 
 LAYERS = 5
@@ -226,3 +228,38 @@ def test_auto_is_never_worse_than_megatron_s_per_block_family(
         auto = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
         assert auto.trace.peak_bytes <= budget
         assert auto.trace.recompute_time_s <= megatron * (1 + 1e-9), budget
+
+
+def test_the_per_block_family_is_bisected_below_a_plan_to_beat(
+    analyzed: tuple[Any, ...],
+) -> None:
+    """With a traced plan to beat (the MILP's), the family's cheapest member that fits is
+    returned where it recomputes less, None where it does not; a plan to beat that
+    recomputes nothing leaves none to bisect."""
+    problem, tracer, _ = analyzed
+    every = planner.fixed_policies(problem, "block")
+    n = len(problem.blocks)
+    least = tracer(every).peak_bytes
+    budget = (least + problem.baseline.peak_bytes) // 2
+    plain, _ = planner._per_block(problem, tracer, budget)
+    assert plain is not None and plain.trace.recompute_time_s > 0
+    cost = plain.trace.recompute_time_s
+
+    def beat(recompute_s: float) -> planner.Solution:
+        # Only the plan's recompute time is read.
+        trace: Any = _Recompute(recompute_s)
+        return planner.Solution((None,) * n, trace, "exact", "", Proof.HEURISTIC)
+
+    above, _ = planner._per_block(problem, tracer, budget, beat(cost * 1.01))
+    assert above is not None and above.policies == plain.policies
+    level, _ = planner._per_block(problem, tracer, budget, beat(cost))
+    assert level is None
+    nothing, _ = planner._per_block(problem, tracer, budget, beat(0.0))
+    assert nothing is None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recompute:
+    """A traced plan's stand-in: its recompute time alone."""
+
+    recompute_time_s: float
