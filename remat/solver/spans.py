@@ -68,7 +68,6 @@ class _Held:
     """The bytes each candidate holds at each moment, for rows and for evaluating plans."""
 
     def __init__(self, lt: Lifetimes) -> None:
-        self.lt = lt
         rows = [(k, n, a, b) for k, c in enumerate(lt.candidates) for n, a, b in c.pieces]
         self.k = np.array([r[0] for r in rows], dtype=np.int64)
         self.n = np.array([r[1] for r in rows], dtype=np.float64)
