@@ -83,6 +83,7 @@ __all__ = [
     "no_dispatch_modes",
     "p2p_works_hold_tensors",
     "pipeline_schedule_class",
+    "sac_cache_hits",
     "skip_p2p_warmup",
     "static_pipeline_stage",
     "non_persistent_buffer_names",
@@ -606,6 +607,29 @@ def fsdp_storage_resizes(callback: Callable[[int], None]) -> Iterator[None]:
     finally:
         for module, name, original in patched:
             setattr(module, name, original)
+
+
+def sac_cache_hits(contexts: tuple[Any, Any]) -> Callable[[], int]:
+    """A count of the cached outputs the replay of one selective-checkpoint call has
+    returned so far, from its two contexts (``create_selective_checkpoint_contexts``). 2.13:
+    the replay's dispatch mode holds ``storage`` (op -> call index -> entry) and marks an
+    entry it returned ``torch.utils.checkpoint._CONSUMED``; a hit reaches no other dispatch
+    mode, so this is the only place it shows (elsewhere: counted 0). Holds the mode weakly:
+    the cached outputs must die with the checkpoint's frame, as they do in training."""
+    from torch.utils import checkpoint as ckpt
+
+    consumed = getattr(ckpt, "_CONSUMED", None)
+    if consumed is None or not hasattr(contexts[1], "storage"):
+        return lambda: 0
+    mode = weakref.ref(contexts[1])
+
+    def hits() -> int:
+        alive = mode()
+        if alive is None:
+            return 0
+        return sum(e is consumed for entries in alive.storage.values() for e in entries.values())
+
+    return hits
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:

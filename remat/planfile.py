@@ -107,6 +107,7 @@ def document(plan: Plan, fingerprint: str, graph: Mapping[str, Any]) -> dict[str
         "recompute_flops": sim.recompute_flops,
         "recompute_time_s": sim.recompute_time_s,
         "step_time_s": sim.step_time_s,
+        "dispatch_time_s": sim.dispatch_time_s,
         "lower_bound_s": plan.lower_bound_s,
         "device_memory": dict(plan.device_memory) if plan.device_memory else None,
     }

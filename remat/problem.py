@@ -61,6 +61,9 @@ class Value:
     savable: bool = True
     """The executor can keep this value (``"sac"``: it owns new storage and nothing mutates
     it later in its region)."""
+    policy: bool = False
+    """``"sac"``: a forward op of a region that its policy is called on (in the forward and
+    in each replay that reaches it): what :class:`DispatchCosts` counts."""
     scratch_bytes: int = 0
     """Bytes the op's kernel allocates and frees inside itself (internal copies, workspaces),
     measured on the device (:mod:`remat.graph.scratch`): live only while the op runs, seen by
@@ -82,6 +85,50 @@ class Value:
     def __post_init__(self) -> None:
         if not set(self.allocates) <= set(self.storages):
             raise ValueError(f"{self.name}: allocated storages must be referenced by the value")
+
+
+@dataclass(frozen=True)
+class DispatchCosts:
+    """What PyTorch's selective checkpointing costs by itself, per op of a checkpointed
+    region, beyond the ops' own time (``sac`` executor; the ``graph`` executor adds none).
+
+    Why it matters: the policy runs in Python on every op of a checkpointed region, in the
+    forward and again in the backward's replay, whether the op is kept or recomputed. On a
+    CPU that is 13-20 us an op, several times a small op's own time, so a plan that keeps
+    more is not always faster, and a block left without checkpoint saves its whole
+    dispatch. Measured by ``experiments/sac_dispatch.py``.
+    """
+
+    forward_saved_s: float = 0.0
+    """Forward, an op the policy keeps (its output is cached)."""
+    forward_recomputed_s: float = 0.0
+    """Forward, an op the policy recomputes."""
+    replay_hit_s: float = 0.0
+    """Replay, a kept op (its cached output returned)."""
+    replay_recomputed_s: float = 0.0
+    """Replay, a recomputed op, beyond the op's own time."""
+    region_s: float = 0.0
+    """Per checkpointed region (its frame, the contexts, the replay's start)."""
+    overlapped: bool = False
+    """Host-side costs that run beside the device's kernels (a GPU): a region's dispatch
+    counts only where it exceeds the device time of the region's ops. ``False`` (a CPU):
+    host and device are one, every second counts."""
+    source: str = field(default="", compare=False)
+
+    def host_s(self, saved: int, recomputed: int, hits: int, replayed: int, regions: int) -> float:
+        """Host seconds for ``saved``/``recomputed`` forward policy calls, ``hits``/``replayed``
+        replay calls on kept/recomputed ops, over ``regions`` checkpointed region calls."""
+        return (
+            saved * self.forward_saved_s
+            + recomputed * self.forward_recomputed_s
+            + hits * self.replay_hit_s
+            + replayed * self.replay_recomputed_s
+            + regions * self.region_s
+        )
+
+    def exposed_s(self, host_s: float, device_s: float) -> float:
+        """What ``host_s`` of dispatch adds to a region whose ops take ``device_s``."""
+        return max(0.0, host_s - device_s) if self.overlapped else host_s
 
 
 @dataclass(frozen=True)
@@ -111,6 +158,8 @@ class Problem:
     :mod:`remat.solver.executor`): ``"graph"``, remat's own forward/backward graphs over this
     joint graph; ``"sac"``, PyTorch's checkpoint with a selective policy per region, on the
     op stream the regions run eagerly."""
+    dispatch: DispatchCosts = DispatchCosts()
+    """The ``sac`` executor's own cost per op (:class:`DispatchCosts`); zero: not counted."""
 
     def __post_init__(self) -> None:
         if self.executor not in ("graph", "sac"):

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from remat.problem import DispatchCosts
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -35,6 +37,8 @@ class DeviceProfile:
     matmul_efficiency: float = 1.0
     """Fraction of the ``matmul_flops`` peak a GEMM reaches, relative to the NVIDIA profiles
     (which take the spec-sheet peak as reached: 1.0)."""
+    sac_dispatch: DispatchCosts = DispatchCosts()
+    """Selective checkpointing's own cost per op (the ``sac`` executor's time model)."""
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or not self.matmul_flops or min(self.matmul_flops.values()) <= 0:
@@ -56,6 +60,33 @@ class DeviceProfile:
 
 _GIB = 1024**3
 
+CPU_SAC_DISPATCH = DispatchCosts(
+    forward_saved_s=19.4e-6,
+    forward_recomputed_s=12.7e-6,
+    replay_hit_s=20.2e-6,
+    replay_recomputed_s=17.9e-6,
+    region_s=190e-6,
+    source=(
+        "experiments/sac_dispatch.py on the reference core (2-core AMD EPYC, 1 thread, "
+        "PyTorch 2.13, remat's policy): medians of three runs"
+    ),
+)
+"""SAC's per-op cost on the ``cpu`` profile's reference core, pinned (as :data:`CPU` is)."""
+
+GPU_SAC_DISPATCH = DispatchCosts(
+    forward_saved_s=CPU_SAC_DISPATCH.forward_saved_s,
+    forward_recomputed_s=CPU_SAC_DISPATCH.forward_recomputed_s,
+    replay_hit_s=CPU_SAC_DISPATCH.replay_hit_s,
+    replay_recomputed_s=CPU_SAC_DISPATCH.replay_recomputed_s,
+    region_s=CPU_SAC_DISPATCH.region_s,
+    overlapped=True,
+    source=(
+        "estimate, not measured on a GPU: the policy is host-side Python, so the reference "
+        "core's figures, counted only where a region's dispatch outlasts its kernels"
+    ),
+)
+"""SAC's per-op cost on the GPU and NPU profiles: a labelled estimate (see ``source``)."""
+
 ASCEND_GEMM_EFFICIENCY = 0.85
 """Ascend GEMMs reach about 15% less of their peak than NVIDIA's do of theirs: a
 practitioners' report (CANN matmul kernels against cuBLAS at LLM shapes), not a vendor
@@ -68,6 +99,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
         2.039e12,
         op_overhead_s=4e-6,
+        sac_dispatch=GPU_SAC_DISPATCH,
         memory_bytes=80 * _GIB,
         notes="A100 SXM 80GB, dense, TF32 off (PyTorch's default for matmul)",
     ),
@@ -77,6 +109,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
         3.35e12,
         op_overhead_s=4e-6,
+        sac_dispatch=GPU_SAC_DISPATCH,
         memory_bytes=80 * _GIB,
         notes="H100 SXM 80GB, dense",
     ),
@@ -86,6 +119,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
         4.8e12,
         op_overhead_s=4e-6,
+        sac_dispatch=GPU_SAC_DISPATCH,
         memory_bytes=141 * _GIB,
         notes="H200 SXM 141GB, dense",
     ),
@@ -101,6 +135,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         {"float32": 313e12 / 4, "bfloat16": 313e12, "float16": 313e12},
         1.6e12,
         op_overhead_s=4e-6,
+        sac_dispatch=GPU_SAC_DISPATCH,
         memory_bytes=64 * _GIB,
         notes="Ascend 910B3 64GB HBM2e, dense; GEMM efficiency 0.85 (practitioners' report)",
         matmul_efficiency=ASCEND_GEMM_EFFICIENCY,
@@ -112,6 +147,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         {"float32": 280e12 / 4, "bfloat16": 280e12, "float16": 280e12},
         0.8e12,
         op_overhead_s=4e-6,
+        sac_dispatch=GPU_SAC_DISPATCH,
         memory_bytes=32 * _GIB,
         notes="Ascend 910B4 32GB HBM2e, dense; GEMM efficiency 0.85 (practitioners' report)",
         matmul_efficiency=ASCEND_GEMM_EFFICIENCY,
@@ -144,6 +180,7 @@ CPU = DeviceProfile(
     {"float32": 103e9, "bfloat16": 103e9 / 4, "float16": 103e9 / 4},
     47e9,
     op_overhead_s=3.3e-6,
+    sac_dispatch=CPU_SAC_DISPATCH,
     notes=(
         "one reference core (an AMD EPYC), pinned: calibrate_cpu() on an idle 2-core "
         "machine, 1 thread, measured 102.7-102.9 GFLOP/s fp32, 45-50 GB/s and 3.2-3.3 us per op"
@@ -191,7 +228,8 @@ def calibrate_cpu() -> DeviceProfile:
         {"float32": flops, "bfloat16": flops / 4, "float16": flops / 4},
         bandwidth,
         op_overhead_s=overhead,
-        notes="measured on this machine, 1 thread",
+        sac_dispatch=CPU_SAC_DISPATCH,
+        notes="measured on this machine, 1 thread (SAC dispatch: the reference core's)",
     )
 
 

@@ -744,7 +744,7 @@ def _held_less(analyzed: Analyzed, outside: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _cost(solution: planner.Solution) -> tuple[float, int]:
-    return solution.trace.recompute_time_s, solution.trace.peak_bytes
+    return solution.trace.added_time_s, solution.trace.peak_bytes
 
 
 def _best(

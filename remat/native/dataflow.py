@@ -14,7 +14,7 @@ set is a plan's saved set.
 from __future__ import annotations
 
 from remat.native.trace import StepTrace
-from remat.problem import Problem, Role, Value
+from remat.problem import DispatchCosts, Problem, Role, Value
 from remat.solver.executor import NO_CHECKPOINT
 
 
@@ -28,7 +28,9 @@ def value_names(trace: StepTrace) -> list[str]:
     return names
 
 
-def problem_of(trace: StepTrace, device_profile: str) -> Problem:
+def problem_of(
+    trace: StepTrace, device_profile: str, dispatch: DispatchCosts | None = None
+) -> Problem:
     """The eager-traced step ``trace`` as a problem for the ``sac`` executor. An op with
     several outputs (``native_batch_norm``'s output and statistics) gets one projection per
     output, as the joint graph's ``getitem``: each lives as long as its own readers."""
@@ -64,6 +66,7 @@ def problem_of(trace: StepTrace, device_profile: str) -> Problem:
                 time_s=e.time_s,
                 random=e.writes_outside,  # must never re-run (see remat.solver.executor)
                 savable=e.savable,
+                policy=forward and e.block >= 0 and e.key is not None,
                 scratch_bytes=e.scratch_bytes,
                 region=region,
             )
@@ -92,6 +95,7 @@ def problem_of(trace: StepTrace, device_profile: str) -> Problem:
         grad_outputs=grads,
         device_profile=device_profile,
         executor="sac",
+        dispatch=dispatch or DispatchCosts(),
     )
 
 

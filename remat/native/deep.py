@@ -363,12 +363,16 @@ def deep_costs(small: StepTrace, large: StepTrace, layers: int, edges: Edges) ->
     head, tail, inner = edges.head, edges.tail, edges.middle(layers)
     costs = ChainCostsBuilder([*held[:head], *[held[head]] * len(inner), *held[-tail:]])
     extra = layers - edges.copies[0]
+    source: dict[int, int] = {}
+    """Region of the deep step -> the small copy's region it is read from."""
 
     def add(e: OpEvent, region: int, value: int, pos: object) -> None:
         region = region if e.block >= 0 else -1
         costs.add(e.phase, region, value, before_regions=pos == "outside")
         if e.recompute:
             costs.recompute(region, e.time_s)
+        if region >= 0:
+            source.setdefault(region, e.block)
 
     for pos in edges.ends:
         region = -1
@@ -380,4 +384,7 @@ def deep_costs(small: StepTrace, large: StepTrace, layers: int, edges: Edges) ->
     for (_, e), (_, f1), (_, f2) in zip(s[head], g[head], g[head + 1], strict=True):
         for k in inner:
             add(e, k, _affine(e, f1, extra, "allocated_bytes", f2, k - head), head)
+    if small.dispatch_s:  # a policy's dispatch does not grow with the depth
+        for region, block in source.items():
+            costs.recompute(region, small.dispatch_s[block])
     return costs.costs()

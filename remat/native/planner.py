@@ -59,7 +59,7 @@ from remat.native.regions import FullReplay, OpKey, Policy
 from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
 from remat.native.workers import Mapped
-from remat.problem import Problem
+from remat.problem import DispatchCosts, Problem
 from remat.solver import clock, registry
 from remat.solver.chain import (
     ChainCosts,
@@ -139,11 +139,13 @@ class NativeProblem:
     baseline: StepTrace
     """The step with every block eager."""
     device_profile: str = "cpu"
+    dispatch: DispatchCosts = DispatchCosts()
+    """The profile's cost of SAC's own dispatch (what the solvers' view counts)."""
 
     @functools.cached_property
     def dataflow(self) -> Problem:
         """The baseline step as a problem for the ``sac`` executor (the solvers' view)."""
-        return problem_of(self.baseline, self.device_profile)
+        return problem_of(self.baseline, self.device_profile, self.dispatch)
 
     def class_of(self, block: int) -> int:
         return next(c[0] for c in self.classes if block in c)
@@ -179,7 +181,12 @@ def analyze(
         groups.setdefault(sig, []).append(k)
         streams.setdefault(groups[sig][0], stream)
     return NativeProblem(
-        fake.blocks, tuple(tuple(g) for g in groups.values()), streams, baseline, profile.name
+        fake.blocks,
+        tuple(tuple(g) for g in groups.values()),
+        streams,
+        baseline,
+        profile.name,
+        profile.sac_dispatch,
     )
 
 
@@ -258,6 +265,8 @@ def costs(trace: StepTrace) -> ChainCosts:
         built.add(e.phase, e.block, e.allocated_bytes, before_regions=not seen_block)
         if e.recompute:
             built.recompute(e.block, e.time_s)
+    for block, dispatch in enumerate(trace.dispatch_s):
+        built.recompute(block, dispatch)  # what a policy adds is the block's too
     return built.costs()
 
 
@@ -493,15 +502,16 @@ def _cheaper(
 
 
 def _cost(solution: Solution | StepTrace | None) -> tuple[float, float]:
-    """What ``auto`` minimises: recompute time, then peak (None: no plan, infinite)."""
+    """What ``auto`` minimises: added time (recompute and SAC's dispatch), then peak (None:
+    no plan, infinite)."""
     if solution is None:
         return math.inf, math.inf
     trace = solution.trace if isinstance(solution, Solution) else solution
-    return trace.recompute_time_s, trace.peak_bytes
+    return trace.added_time_s, trace.peak_bytes
 
 
 def _ms(solution: Solution) -> str:
-    return f"{solution.trace.recompute_time_s * 1e3:.3f} ms"
+    return f"{solution.trace.added_time_s * 1e3:.3f} ms"
 
 
 def _chain(
@@ -556,7 +566,7 @@ def _chain(
     most = problem.baseline.peak_bytes
     grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
     # The budget's own plan first: the one that matters when the time limit cuts the rest.
-    floor = beat.trace.recompute_time_s if beat is not None else math.inf
+    floor = beat.trace.added_time_s if beat is not None else math.inf
     best = functools.partial(_least_fitting, found, budget_bytes, floor)
     targets = [budget_bytes] + [g for g in grid if g < budget_bytes]
     events = len(problem.baseline.events)
@@ -587,7 +597,7 @@ def _chain(
     if not fitting:
         least_found = min(t.peak_bytes for t in found.values())
         return BudgetError(budget_bytes, least_found, "native SAC"), traced
-    choice, trace = min(fitting, key=lambda ct: (ct[1].recompute_time_s, ct[1].peak_bytes))
+    choice, trace = min(fitting, key=lambda ct: (ct[1].added_time_s, ct[1].peak_bytes))
     names = [options_of[k][o].name for k, o in enumerate(choice)]
     summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
     on_copies = (
@@ -704,7 +714,7 @@ def _per_block(
     if beat is not None:
         spent = itertools.accumulate(costs(trace(n)).time_s, initial=0.0)
         # (0 where ``beat`` recomputes nothing: the baseline, which does not fit.)
-        hi = max((k for k, t in enumerate(spent) if t < beat.trace.recompute_time_s), default=0)
+        hi = max((k for k, t in enumerate(spent) if t < beat.trace.added_time_s), default=0)
         if hi < n and trace(hi).peak_bytes > budget_bytes:
             return None, len(traces) - 1
     lo = 0  # lo does not fit, hi does
@@ -755,9 +765,9 @@ def _per_block_contenders(
 def _least_fitting(
     found: Mapping[tuple[int, ...], StepTrace], budget_bytes: int, floor: float = math.inf
 ) -> float:
-    """The least recompute time of a traced plan that fits, or ``floor`` (another traced
-    plan's that fits) if less (inf: none fits yet)."""
-    fits = (t.recompute_time_s for t in found.values() if t.peak_bytes <= budget_bytes)
+    """The least added time of a traced plan that fits, or ``floor`` (another traced plan's
+    that fits) if less (inf: none fits yet)."""
+    fits = (t.added_time_s for t in found.values() if t.peak_bytes <= budget_bytes)
     return min([*fits, floor])
 
 
@@ -962,6 +972,7 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
         recompute_time_s=trace.recompute_time_s,
         forward_time_s=sum(trace.events[k].time_s for k in fwd),
         backward_time_s=sum(trace.events[k].time_s for k in bwd),
+        dispatch_time_s=trace.dispatch_time_s,
     )
     schedule = Schedule(
         forward=tuple(names[k] for k in fwd),

@@ -273,6 +273,14 @@ itself with ``False``, a recomputation with ``True``): how :mod:`remat.native.tr
 Empty in training: the check costs one list lookup."""
 
 
+_policy_calls: list[Callable[[bool], None]] = []
+"""Called with ``kept`` on every forward call of a region's policy, and
+:data:`_contexts_made` with each region's SAC contexts: how :mod:`remat.native.trace`
+counts what selective checkpointing's own dispatch costs. Empty in training."""
+
+_contexts_made: list[Callable[[tuple[Any, Any]], None]] = []
+
+
 _made_outside: list[Callable[[torch.Tensor], None]] = []
 """Called with each tensor remat makes outside the dispatch modes (the BatchNorm scratch
 statistics below): :mod:`remat.native.trace` counts them at the allocator level."""
@@ -354,9 +362,10 @@ class KeyPolicy:
         k = self.counts[op]
         self.counts[op] = k + 1
         name, collective = _op_facts(op)
-        if collective or (name, k) in self.saved:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        keep = collective or (name, k) in self.saved
+        if _policy_calls and not ctx.is_recompute:
+            _policy_calls[-1](keep)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @functools.cache
@@ -376,9 +385,12 @@ def policy_contexts(saved: frozenset[OpKey]) -> tuple[Any, Any]:
     the version counter before autograd bumps it). remat's planner never keeps an output that
     the region mutates later (:attr:`remat.native.trace.OpEvent.savable`).
     """
-    return create_selective_checkpoint_contexts(  # type: ignore[no-any-return]
+    contexts: tuple[Any, Any] = create_selective_checkpoint_contexts(
         KeyPolicy(saved), allow_cache_entry_mutation=True
     )
+    if _contexts_made:
+        _contexts_made[-1](contexts)
+    return contexts
 
 
 def iter_regions(model: nn.Module) -> Iterator[tuple[nn.Module, Region]]:

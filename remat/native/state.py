@@ -40,7 +40,8 @@ class Applied:
     eager_peak_bytes: int = 0
     """The traced step's peak with every block eager (no checkpoint)."""
     block_recompute_s: tuple[float, ...] = ()
-    """Per block, the estimated time of what its backward recomputes."""
+    """Per block, the estimated time its plan adds: what its backward recomputes and its
+    policy's dispatch (:class:`remat.problem.DispatchCosts`)."""
     scratch: str = ""
     """Where the allocator-only bytes (kernel scratch, RNG states) were measured, or why not."""
     schedule: ScheduleTrace | None = None

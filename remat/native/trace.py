@@ -23,7 +23,7 @@ import copy
 import functools
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -152,6 +152,10 @@ class StepTrace:
     """For a pipeline stage, its whole ``schedule.step()`` under the same policies, whose
     peaks ``peak_bytes`` and ``tensor_peak_bytes`` then are; the events stay one
     microbatch's (what the policies and the costs are read from)."""
+    dispatch_s: tuple[float, ...] = ()
+    """Per block, what selective checkpointing's own dispatch adds to the step (the
+    profile's :class:`remat.problem.DispatchCosts` times the policy calls the step made; 0
+    for a block run without checkpoint). Empty: not counted."""
 
     @property
     def peak_event(self) -> int:
@@ -183,6 +187,7 @@ class StepTrace:
             blocks=tuple(self.blocks[b] for b in order),
             forward_live=tuple(self.forward_live[b] for b in order),
             schedule=schedule,
+            dispatch_s=tuple(self.dispatch_s[b] for b in order) if self.dispatch_s else (),
         )
 
     @property
@@ -192,6 +197,16 @@ class StepTrace:
     @property
     def recompute_time_s(self) -> float:
         return sum(e.time_s for e in self.events if e.recompute)
+
+    @property
+    def dispatch_time_s(self) -> float:
+        return sum(self.dispatch_s)
+
+    @property
+    def added_time_s(self) -> float:
+        """What the plan adds to the step: recomputation and checkpointing's dispatch (what
+        the planner minimises)."""
+        return self.recompute_time_s + self.dispatch_time_s
 
 
 class TraceError(RuntimeError):
@@ -260,6 +275,14 @@ class _Recorder(LiveMemoryMeter):
         """Names of the storages a functional collective made (tensor parallelism)."""
         self.released_late = 0
         """Bytes of the last such storage freed, still counted live (see :meth:`_free`)."""
+        self.policy_calls: dict[int, list[int]] = {}
+        """Block -> what SAC's dispatch did in it: forward policy calls on kept and on
+        recomputed ops, replayed ops returned from the cache (filled in at the end) and
+        re-run, and the region's forward calls (:meth:`dispatch_s`)."""
+        self.cache_hits: list[tuple[int, Callable[[], int]]] = []
+        """Per checkpointed region call not replayed yet, its block and a count of its cache
+        hits so far (read when the block's replay returns)."""
+        self.contexts_made: Callable[[], int] | None = None
 
     def _free(self, key: int, nbytes: int) -> None:
         """A storage died. The last one a functional collective made stays counted: the
@@ -324,6 +347,8 @@ class _Recorder(LiveMemoryMeter):
         if in_block_forward and not op.sac_ignored:
             key = (op.name, self.counts[func])
             self.counts[func] += 1
+        elif self.recompute and not op.sac_ignored:
+            self._calls()[3] += 1  # re-run by the replay
         outside = False
         if in_block_forward and mutable:
             outside = bool(written - self.creator.keys() - self.running_stats)
@@ -435,6 +460,10 @@ class _Recorder(LiveMemoryMeter):
         if not recompute:
             self.counts.clear()
             self.creator.clear()
+            self._calls()[4] += 1
+            if self.contexts_made is not None:
+                self.cache_hits.append((self.block, self.contexts_made))
+                self.contexts_made = None
         elif self.replay_numbers[0] != self.block:
             # Regions' backwards run one after another: the last one's replayed graph is gone.
             self.unseen_bytes -= self.replay_numbers[1]
@@ -442,10 +471,48 @@ class _Recorder(LiveMemoryMeter):
         try:
             yield
         finally:
+            if recompute:
+                self._replayed(self.block)
             self.block, self.recompute = saved
+
+    def _replayed(self, block: int) -> None:
+        """``block``'s replay returned: count the cache hits of its region calls."""
+        waiting = []
+        for b, hits in self.cache_hits:
+            n = hits() if b == block else 0
+            if n:
+                self.policy_calls[b][2] += n
+            else:
+                waiting.append((b, hits))
+        self.cache_hits = waiting
 
     def events(self) -> tuple[OpEvent, ...]:
         return tuple(OpEvent(**row) for row in self.rows)
+
+    def _calls(self) -> list[int]:
+        return self.policy_calls.setdefault(self.block, [0, 0, 0, 0, 0])
+
+    def policy_called(self, keep: bool) -> None:
+        self._calls()[not keep] += 1
+
+    def sac_contexts(self, contexts: tuple[Any, Any]) -> None:
+        """A region's SAC contexts, made just before its forward starts (:meth:`region`)."""
+        self.contexts_made = tc.sac_cache_hits(contexts)
+
+    def dispatch_s(self, events: Sequence[OpEvent]) -> tuple[float, ...]:
+        """Per block, the seconds its policy calls add (:class:`remat.problem.DispatchCosts`),
+        beside the device time of its own ops where the profile's dispatch overlaps it."""
+        costs = self.profile.sac_dispatch
+        device = [0.0] * len(self.index)
+        for e in events:
+            if e.block >= 0:
+                device[e.block] += e.time_s
+        return tuple(
+            costs.exposed_s(costs.host_s(*self.policy_calls[b]), device[b])
+            if b in self.policy_calls
+            else 0.0
+            for b in range(len(self.index))
+        )
 
 
 _UNANNOTATED_WRITES: dict[Any, tuple[int, ...]] = {
@@ -761,8 +828,9 @@ class FakeModel:
             raise TraceError(f"regions never called in the forward: {missing[:3]}")
         live = tuple(recorder.fwd_live[k] for k in range(len(self.blocks)))
         peak = recorder.allocator_peak()
+        events = recorder.events()
         step = StepTrace(
-            recorder.events(),
+            events,
             peak,
             self.blocks,
             live,
@@ -773,6 +841,7 @@ class FakeModel:
             tensor_peak_bytes=recorder.peak_bytes,
             scratch=where or "not measured (FakeTensors, or another device): counts 0",
             unseen_peak_bytes=recorder.unseen_peak,
+            dispatch_s=recorder.dispatch_s(events),
         )
         if self.pipeline is None or not schedule:
             return step
@@ -829,6 +898,10 @@ class FakeModel:
         stack.callback(regions._observers.pop)
         regions._made_outside.append(recorder.made_outside)
         stack.callback(regions._made_outside.pop)
+        regions._policy_calls.append(recorder.policy_called)
+        stack.callback(regions._policy_calls.pop)
+        regions._contexts_made.append(recorder.sac_contexts)
+        stack.callback(regions._contexts_made.pop)
         if self.world is not None:
             stack.enter_context(self.world.active())
         if self.world is not None or self._sharded:

@@ -22,7 +22,10 @@ name.
   last value its backward reads (early stop); a replayed value lives to its last use. Code
   outside the regions runs eagerly: autograd keeps what its backward reads. Only values that
   own new storage and are not mutated later (``Value.savable``) can be kept; ``random`` marks
-  the ops that must never re-run (in-place writes to state outside the region).
+  the ops that must never re-run (in-place writes to state outside the region). Its own
+  time, SAC's policy dispatch on every op of a checkpointed region (``Problem.dispatch``), is
+  the schedule's ``dispatch_s``; the lifetimes carry it as linear terms (a region left
+  without checkpoint saves its whole dispatch; keeping an op changes its own calls' cost).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -314,6 +318,7 @@ def _sac_order(
         )
     )
     saved_out = tuple(sorted((held & set(last)) | set(held_until), key=index.__getitem__))
+    dispatch = sum(_region_dispatch(problem, r, keep, _replay_span(problem, r)) for r in replay)
     schedule = Schedule(
         forward=tuple(v.name for v in problem.values if v.role is Role.FORWARD),
         saved=saved_out,
@@ -321,8 +326,52 @@ def _sac_order(
         backward=tuple(backward),
         recomputed=tuple(recomputed),
         held_until={n: held_until[n] for n in saved_out if n in held_until},
+        dispatch_s=dispatch,
     )
     return schedule, conflicts
+
+
+def _replay_span(problem: Problem, region: str) -> tuple[str, ...]:
+    """The region's forward values its replay runs through (early stop: to the last one its
+    backward reads), kept or not."""
+    regions = _regions(problem)
+    names = regions.values[region]
+    needed = regions.needed.get(region, frozenset())
+    stop = max((k for k, n in enumerate(names) if n in needed), default=-1)
+    return names[: stop + 1]
+
+
+def _region_dispatch(
+    problem: Problem, region: str, keep: AbstractSet[str], span: Iterable[str]
+) -> float:
+    """What the checkpointed ``region``'s policy calls add to the step
+    (:class:`remat.problem.DispatchCosts`), ``keep`` kept and ``span`` replayed."""
+    costs = problem.dispatch
+    by_name = problem.by_name
+    names = [n for n in _regions(problem).values[region] if by_name[n].policy]
+    replayed = [n for n in span if by_name[n].policy]
+    kept = sum(n in keep for n in names)
+    hits = sum(n in keep for n in replayed)
+    host = costs.host_s(kept, len(names) - kept, hits, len(replayed) - hits, 1)
+    if not costs.overlapped:
+        return host
+    device = sum(by_name[n].time_s for n in names)
+    device += sum(by_name[n].time_s for n in _regions(problem).backward.get(region, ()))
+    device += sum(by_name[n].time_s for n in replayed if n not in keep)
+    return costs.exposed_s(host, device)
+
+
+def _keep_delta(problem: Problem, name: str, span: AbstractSet[str]) -> float:
+    """What keeping the policy-called op ``name`` adds to its region's dispatch, against
+    recomputing it (a linear term for the MILP: on a profile whose dispatch overlaps the
+    device's kernels, 0, and the traced plan counts what is exposed)."""
+    costs = problem.dispatch
+    if costs.overlapped or not problem.by_name[name].policy:
+        return 0.0
+    delta = costs.forward_saved_s - costs.forward_recomputed_s
+    if name in span:
+        delta += costs.replay_hit_s - costs.replay_recomputed_s
+    return delta
 
 
 def _gaps(
@@ -492,6 +541,7 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
     for n in nothing.recomputed:
         replays[by_name[n].region].append(n)
     at = {(s.phase, s.name, s.recompute): i for i, s in enumerate(sim.timeline)}
+    spans = {r: frozenset(_replay_span(problem, r)) for r in regions.values}
     out: list[Lifetime] = []
     for name in sorted(_sac_candidates(problem) - forced, key=problem.index.__getitem__):
         v = by_name[name]
@@ -499,6 +549,7 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
             continue  # no backward: nothing to keep it for
         if v.op == NO_CHECKPOINT:
             replay_time = sum(by_name[n].time_s for n in regions.values[v.region] if n in again)
+            replay_time += _region_dispatch(problem, v.region, forced, spans[v.region])
             difference = _eager_difference(
                 problem, name, nothing, sim.timeline, moment, replays.get(v.region, ())
             )
@@ -518,6 +569,7 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
             end = max([b for _, b in live] + [released])
             pieces += _gaps(live, start, end, problem.storage_bytes[s])
         time_s = v.time_s if name in again else 0.0
+        time_s -= _keep_delta(problem, name, spans[v.region])
         out.append(Lifetime(name, time_s, tuple(pieces), v.region))
     base = tuple(step.allocated_bytes for step in sim.timeline)
     return Lifetimes(base, tuple(out), forced)

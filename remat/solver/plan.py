@@ -99,6 +99,11 @@ class Plan:
         return self.simulation.recompute_time_s
 
     @property
+    def added_time_s(self) -> float:
+        """Recompute time and the executor's own dispatch (``sac``): what the plan adds."""
+        return self.simulation.added_time_s
+
+    @property
     def recomputed(self) -> tuple[str, ...]:
         return self.schedule.recomputed
 
@@ -120,13 +125,16 @@ class Plan:
 
     def summary(self) -> str:
         sim = self.simulation
-        overhead = sim.recompute_time_s / sim.step_time_s if sim.step_time_s else 0.0
+        overhead = sim.added_time_s / sim.step_time_s if sim.step_time_s else 0.0
+        dispatch = sim.dispatch_time_s
         return (
             f"plan {self.solver!r}: predicted peak {fmt_bytes(sim.peak_bytes)} "
             f"(at {sim.peak_step}); saved for backward {fmt_bytes(sim.saved_bytes)} "
             f"in {len(self.schedule.saved)} values; {len(self.schedule.recomputed)} ops "
             f"recomputed, {sim.recompute_flops / 1e9:.3f} GFLOP, "
-            f"{overhead:.1%} of the estimated step time; {self.proof_text}"
+            f"{overhead:.1%} of the estimated step time"
+            + (f" with SAC's dispatch ({dispatch * 1e3:.3f} ms)" if dispatch else "")
+            + f"; {self.proof_text}"
             + (f"; the peak covers {self.step}" if self.step else "")
             + f". {self.reason}"
         )

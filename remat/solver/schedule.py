@@ -49,6 +49,8 @@ class Schedule:
     """Saved values the executor itself holds at least until this backward op (PyTorch's
     checkpoint holds a region's inputs to the end of its backward); the others are freed
     after their last use."""
+    dispatch_s: float = 0.0
+    """The executor's own time beside the ops' (``sac``: the policies' calls)."""
 
 
 def build_schedule(problem: Problem, saved: Iterable[str]) -> Schedule:

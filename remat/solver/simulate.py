@@ -67,10 +67,18 @@ class Simulation:
     held_at_end: Mapping[str, int] | None = None
     """With ``intervals=True``: storages still live when the step ends, and the timeline step
     from which each is counted (to the last step)."""
+    dispatch_time_s: float = 0.0
+    """The executor's own time beside the ops' (``sac``: selective checkpointing's policy
+    calls, :class:`remat.problem.DispatchCosts`); counted in :attr:`step_time_s`."""
 
     @property
     def step_time_s(self) -> float:
-        return self.forward_time_s + self.backward_time_s
+        return self.forward_time_s + self.backward_time_s + self.dispatch_time_s
+
+    @property
+    def added_time_s(self) -> float:
+        """What the plan adds to the step: recomputation and the executor's dispatch."""
+        return self.recompute_time_s + self.dispatch_time_s
 
 
 class _Memory:
@@ -299,6 +307,7 @@ def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -
         recompute_time_s=sum(v.time_s for v in recomputed),
         forward_time_s=sum(values[n].time_s for n in schedule.forward),
         backward_time_s=sum(values[n].time_s for n in schedule.backward),
+        dispatch_time_s=schedule.dispatch_s,
         intervals=mem.intervals,
         held_at_end=(
             {s: mem.opened[s] for s, n in mem.holders.items() if n > 0}

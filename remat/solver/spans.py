@@ -260,9 +260,7 @@ def solve_spans(
             )
         if fitting:
             # Rounded: the same plan's time summed in another order is no cheaper.
-            return min(
-                fitting, key=lambda p: (round(p.recompute_time_s, 12), p.predicted_peak_bytes)
-            )
+            return min(fitting, key=lambda p: (round(p.added_time_s, 12), p.predicted_peak_bytes))
         target -= min(p.predicted_peak_bytes for p in plans) - budget_bytes
     if least.predicted_peak_bytes <= budget_bytes:
         return dataclasses.replace(

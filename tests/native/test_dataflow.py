@@ -49,6 +49,34 @@ def test_the_dataflow_reproduces_the_eager_step_to_the_byte(name: str) -> None:
     assert eager <= plan.saved
 
 
+@pytest.mark.parametrize("name", ["tiny_gpt", "resnet_bn"])
+def test_sac_dispatch_is_counted_from_the_dataflow_as_the_policies_are_called(name: str) -> None:
+    """SAC's own dispatch (the ``cpu`` profile's costs), as the executor's model counts it
+    on the dataflow (the replay stopping where the region's backward reads last), equals what
+    the traced step's policy calls add, for every option of the menu: the solvers' time is
+    the trace's. A step without checkpoint adds none."""
+    case = CASES[name]
+    model = case.build()
+    fake = FakeModel(model, regions.find_blocks(model, ()))
+    profile = get_profile("cpu")
+    args, kwargs = case.inputs(), case.kwargs or {}
+    problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=None)
+    options_of, _, n_opts = planner.menus_of(problem)
+    assert problem.baseline.dispatch_time_s == 0
+    sac = problem.dataflow
+    candidates = executor.executor_of(sac).candidates(sac)
+    for o in range(1, n_opts):
+        option = planner._policies(options_of, [o] * len(problem.blocks))
+        solution = planner.Solution(tuple(option), problem.baseline, "t", "", Proof.HEURISTIC)
+        saved = planner.to_plan(problem, solution).saved
+        # As the planner runs a solver's plan: what the executor keeps, as policies.
+        plan = make_plan(sac, saved, solver="t", reason="", proof=Proof.HEURISTIC)
+        policies = planner.policies_from_saved(problem, plan.saved & candidates)
+        trace = fake.trace(args, kwargs, policies, profile=profile)
+        assert trace.dispatch_time_s > 0
+        assert plan.simulation.dispatch_time_s == pytest.approx(trace.dispatch_time_s, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     ("name", "solver"),
     [("tiny_gpt", "exact"), ("hf_llama_gqa", "exact"), ("resnet_bn", "lp_round")],

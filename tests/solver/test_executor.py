@@ -3,6 +3,7 @@ fixed lifetimes the spans MILP reads, and that MILP against brute force."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.problem import Problem, Role, Value
+from remat.problem import DispatchCosts, Problem, Role, Value
 from remat.solver import executor, registry, spans
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import NO_CHECKPOINT, SAC, Lifetimes, schedule_of
@@ -55,7 +56,8 @@ def sac_chain(seed: int, regions: int = 2, ops: int = 4) -> Problem:
         values.append(Value(f"{path}:eager", Role.FORWARD, NO_CHECKPOINT, region=path))
         chain = []
         for k in range(ops):
-            prev = add(f"{path}:op#{k}", Role.FORWARD, (prev,), path, savable=rng.random() > 0.2)
+            savable = rng.random() > 0.2
+            prev = add(f"{path}:op#{k}", Role.FORWARD, (prev,), path, savable=savable, policy=True)
             chain.append(prev)
         chains.append(chain)
     loss = add("loss", Role.FORWARD, (prev,))
@@ -139,6 +141,47 @@ def test_lifetimes_bound_each_single_choice_and_are_exact_for_regions(seed: int)
             assert _model_peak(lt, {c.name}) == simulated, c.name
         else:
             assert _model_peak(lt, {c.name}) >= simulated, c.name
+
+
+CPU_LIKE = DispatchCosts(19e-6, 13e-6, 20e-6, 18e-6, 190e-6)
+"""SAC dispatch costs of the order the ``cpu`` profile pins (each op's own time here: 1-5 us)."""
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000))
+def test_lifetimes_price_sac_dispatch_as_the_schedule_counts_it(seed: int) -> None:
+    """With SAC's dispatch priced, what it adds to a plan's step (simulated on its schedule,
+    against the same problem unpriced) is keeping nothing's dispatch less what the kept
+    candidates' lifetime times gained by pricing it: the MILP's linear terms are the
+    schedule's dispatch, regions left eager included (they save their whole dispatch), and
+    keeping an op cheaper than its dispatch costs time."""
+    plain = sac_chain(seed, regions=3, ops=3)
+    priced = dataclasses.replace(plain, dispatch=CPU_LIKE)
+    gained = {
+        a.name: a.time_s - b.time_s
+        for a, b in zip(
+            SAC.lifetimes(priced).candidates,  # type: ignore[misc]
+            SAC.lifetimes(plain).candidates,  # type: ignore[misc]
+            strict=True,
+        )
+    }
+
+    def dispatch(saved: frozenset[str]) -> float:
+        return schedule_of(priced, saved).dispatch_s
+
+    def kept(saved: frozenset[str]) -> frozenset[str]:
+        return SAC.kept(priced, saved, schedule_of(priced, saved))
+
+    assert schedule_of(plain, frozenset(gained)).dispatch_s == 0
+    # Keeping nothing may keep a replayed op whose storage is held anyway (see
+    # executor._sac_plan): the lifetimes are over that plan, what it keeps counted in.
+    base = dispatch(frozenset()) + sum(gained.get(n, 0.0) for n in kept(frozenset()))
+    rng = random.Random(seed)
+    for _ in range(10):
+        chosen = frozenset(n for n in gained if rng.random() < 0.4)
+        expected = base - sum(t for n, t in gained.items() if n in kept(chosen))
+        assert dispatch(chosen) == pytest.approx(expected, rel=1e-9), sorted(kept(chosen))
+    assert any(t < 0 for n, t in gained.items() if not n.endswith(":eager"))
 
 
 @pytest.mark.parametrize(("seed", "regions", "ops"), [(s, 2, 3) for s in range(6)] + [(6, 4, 2)])
