@@ -58,7 +58,7 @@ from remat.native.pipelining import ScheduleTrace
 from remat.native.regions import FullReplay, OpKey, Policy
 from remat.native.shallow import MIN_REGIONS, SHALLOW, UniformCosts
 from remat.native.trace import FakeModel, OpEvent, StepTrace
-from remat.native.workers import Mapped
+from remat.native.workers import Mapped, mapped
 from remat.problem import DispatchCosts, Problem
 from remat.solver import clock, registry
 from remat.solver.chain import (
@@ -122,6 +122,11 @@ TORCHTITAN_SAVE_OPS = (
 """What torchtitan 0.3.0's op-SAC policy saves besides PyTorch's compute-intensive ops
 (``torchtitan/distributed/activation_checkpoint.py``, ``_get_default_save_ops``; its flex
 attention, compiled-code and expert-parallel entries are not ATen ops a CPU step runs)."""
+
+TABLE_FORK_WORK_S = 1.0
+"""The DP's table is traced on forked workers where its traces would take this long or more
+here (a fork of the analysed process costs a tenth of that: the zoo's 3-block Llama, ten
+traces of a third of a second each, 3.2 s on one core, 1.8 s on two)."""
 
 TORCHTITAN_MM_OPS = ("aten.mm.default", "aten.linear.default")
 """The ops of which torchtitan's policy recomputes every second call in a region."""
@@ -536,12 +541,15 @@ def _chain(
     # Option 0 is every class's "eager": the baseline is that plan, traced already.
     found: dict[tuple[int, ...], StepTrace] = {(0,) * n: problem.baseline}
 
+    def record(key: tuple[int, ...], trace: StepTrace) -> None:
+        found[key] = trace
+        clock.charge(clock.TRACED_EVENT_S * len(trace.events))
+        progress(f"native: {len(found) - 1} plans traced, {time.perf_counter() - t0:.0f} s")
+
     def run(choice: Sequence[int]) -> StepTrace:
         key = tuple(min(o, len(options_of[k]) - 1) for k, o in enumerate(choice))
         if key not in found:
-            found[key] = tracer(_policies(options_of, key))
-            clock.charge(clock.TRACED_EVENT_S * len(found[key].events))
-            progress(f"native: {len(found) - 1} plans traced, {time.perf_counter() - t0:.0f} s")
+            record(key, tracer(_policies(options_of, key)))
         return found[key]
 
     schedule = problem.baseline.schedule
@@ -553,6 +561,7 @@ def _chain(
         least = min(peak for _, peak in shallow)
     elif schedule is None:
         progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
+        _trace_uniform(tracer, options_of, n_opts, found, record)
         traces = [run([o] * n) for o in range(n_opts)]
         table = [costs(t) for t in traces]
         least = min(t.peak_bytes for t in traces)
@@ -773,6 +782,27 @@ def _least_fitting(
 
 def _policies(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> list[Policy]:
     return [options_of[k][min(o, len(options_of[k]) - 1)].policy for k, o in enumerate(choice)]
+
+
+def _trace_uniform(
+    tracer: Tracer,
+    options_of: Sequence[Sequence[Option]],
+    n_opts: int,
+    found: Mapping[tuple[int, ...], StepTrace],
+    record: Callable[[tuple[int, ...], StepTrace], None],
+) -> None:
+    """Trace each option on every block (the DP's table) and ``record`` the traces, on
+    forked workers where they add up to seconds (:func:`remat.native.workers.mapped`): they
+    are independent and the same wherever they run, so the plan does not depend on it."""
+    keys = [tuple(min(o, len(m) - 1) for m in options_of) for o in range(n_opts)]
+    todo = [k for k in dict.fromkeys(keys) if k not in found]
+
+    def one(key: tuple[int, ...]) -> StepTrace:
+        return tracer(_policies(options_of, key))
+
+    with mapped(one, [(k,) for k in todo], None, min_work_s=TABLE_FORK_WORK_S) as traced:
+        for key, trace in zip(todo, traced, strict=True):
+            record(key, trace)
 
 
 def _stage_table(
