@@ -22,7 +22,9 @@ run by remat, whose predicted peak is compared with torchtitan's measured op-SAC
 
 torchtitan 0.3.0 imports triton when its model code loads (expert-parallel kernels a dense
 Llama never calls); without triton (the CPU wheel has none) that one module is replaced by a
-stub whose kernels raise if called. Install: ``pip install -e ".[titan]"``.
+stub whose kernels raise if called. Install: ``pip install -e ".[titan]"``, then
+``pip install "huggingface-hub>=2.4,<3"`` (torchtitan's ``datasets`` pins a hub older than
+transformers 5 imports; torchtitan's model code does not import ``datasets``).
 
     .venv/bin/python experiments/torchtitan_duel.py [--seq 256 --batch 2 --reps 5]
 
