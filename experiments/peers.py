@@ -275,9 +275,9 @@ def block_checkpoint_peer(
 # ----------------------------------------------------------------- time
 
 
-def time_ratio(steps: dict[str, Callable[[], Any]], reps: int = 5) -> dict[str, float]:
-    """Median step time of each function over eager's (``steps["eager"]``): one thread,
-    one warm-up each, then ``reps`` interleaved rounds (eager, a, b, eager, a, b, ...)."""
+def step_times(steps: dict[str, Callable[[], Any]], reps: int = 5) -> dict[str, float]:
+    """Median seconds of each function: one thread, one warm-up each, then ``reps``
+    interleaved rounds (a, b, c, a, b, c, ...)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -291,5 +291,11 @@ def time_ratio(steps: dict[str, Callable[[], Any]], reps: int = 5) -> dict[str, 
                 times[k].append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    base = statistics.median(times["eager"])
-    return {k: statistics.median(v) / base for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_ratio(steps: dict[str, Callable[[], Any]], reps: int = 5) -> dict[str, float]:
+    """Median step time of each function over eager's (``steps["eager"]``), as
+    :func:`step_times` measures them."""
+    medians = step_times(steps, reps)
+    return {k: t / medians["eager"] for k, t in medians.items()}

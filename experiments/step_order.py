@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import remat  # noqa: E402
+from experiments import peers  # noqa: E402
 from experiments.rows import save, show  # noqa: E402
 from remat.meter import Loss, training_step  # noqa: E402
 from tests.zoo import NATIVE_ZOO  # noqa: E402
@@ -114,19 +113,6 @@ def _stepper(model: Model, module: nn.Module) -> Callable[[], object]:
     return step
 
 
-def _timed(steps: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds per step, one thread, one warm-up each, interleaved rounds."""
-    for fn in steps.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(reps):
-        for k, fn in steps.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def _agree(a: float, b: float, x: float, y: float) -> bool:
     return (a < b) == (x < y)
 
@@ -136,7 +122,7 @@ def run(models: list[Model], reps: int) -> tuple[list[dict[str, Any]], list[dict
     summary: list[dict[str, Any]] = []
     for model in models:
         plans = _plans(model)
-        measured = _timed({k: _stepper(model, m) for k, m in plans.items()}, reps)
+        measured = peers.step_times({k: _stepper(model, m) for k, m in plans.items()}, reps)
         predicted: dict[str, tuple[float, float]] = {}
         for name, module in plans.items():
             sim = remat.plan_of(module).simulation
