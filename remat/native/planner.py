@@ -491,7 +491,7 @@ def _cheaper(
         none = (
             f"no plan of {other} fits"
             if isinstance(chain, BudgetError)
-            else f"{other}: no plan that fits and recomputes less ({traced} traced)"
+            else f"{other}: no plan that fits and adds less time ({traced} traced)"
         )
         return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {none}; {took}")
     if milp is None or _cost(milp) >= _cost(chain):
@@ -531,7 +531,7 @@ def _chain(
     how many plans it traced. Its time limit counts the events it traces: where it cuts the
     DP's budgets short, the reason says so. ``copies``: the uniform plans' costs on
     shallow copies (:func:`_copies`), where it has them. ``beat``: a traced plan that fits
-    (the MILP's); only plans that recompute less are traced (a plan's recompute time is its
+    (the MILP's); only plans that add less time are traced (a plan's added time is its
     blocks', known before its trace), and None is returned where none does."""
     t0 = time.perf_counter()
     deadline = clock.now() + config.time_limit_s
@@ -547,7 +547,7 @@ def _chain(
         progress(f"native: {len(found) - 1} plans traced, {time.perf_counter() - t0:.0f} s")
 
     def run(choice: Sequence[int]) -> StepTrace:
-        key = tuple(min(o, len(options_of[k]) - 1) for k, o in enumerate(choice))
+        key = _choice_key(options_of, choice)
         if key not in found:
             record(key, tracer(_policies(options_of, key)))
         return found[key]
@@ -684,9 +684,9 @@ def _uniform_contenders(
     best: Callable[[], float],
 ) -> None:
     """Trace on the model each uniform plan costed on the copies that could be the answer:
-    one that fits and recomputes no more than ``best()``, the best traced plan that fits (so
+    one that fits and adds no more time than ``best()``, the best traced plan that fits (so
     the answer is the one tracing every uniform plan would give); where no traced plan of
-    its own fits, the one of least peak if it recomputes less than ``best()`` (the copies
+    its own fits, the one of least peak if it adds less than ``best()`` (the copies
     may misjudge its peak; without another plan, the error reports it)."""
     least = best()
     for o, (c, peak) in enumerate(rows):
@@ -705,9 +705,9 @@ def _per_block(
     recomputed whole, the rest eager; ``recompute_num_layers``), ``N`` found by bisection
     (a peak that falls as blocks are recomputed): where the chain DP does not run, ``auto``
     is still never worse than it. None where no ``N`` fits, or (``beat``: a traced plan that
-    fits) where none that recomputes less than ``beat`` does: each block's recompute is
+    fits) where none that adds less time than ``beat`` does: each block's added time is
     read off the plan recomputing every block, traced first, and the family's members that
-    recompute as much as ``beat`` or more are not traced."""
+    add as much as ``beat`` or more are not traced."""
     every = fixed_policies(problem, "block")
     n = len(every)
     traces: dict[int, StepTrace] = {0: problem.baseline}
@@ -719,7 +719,7 @@ def _per_block(
 
     if trace(n).peak_bytes > budget_bytes:
         return None, len(traces) - 1
-    hi = n  # the first members recomputing less than ``beat``: up to ``hi`` blocks
+    hi = n  # the first members adding less than ``beat``: up to ``hi`` blocks
     if beat is not None:
         spent = itertools.accumulate(costs(trace(n)).time_s, initial=0.0)
         # (0 where ``beat`` recomputes nothing: the baseline, which does not fit.)
@@ -780,6 +780,11 @@ def _least_fitting(
     return min([*fits, floor])
 
 
+def _choice_key(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> tuple[int, ...]:
+    """A choice with each option past a shorter menu's end read as its last (its policies')."""
+    return tuple(min(o, len(options_of[k]) - 1) for k, o in enumerate(choice))
+
+
 def _policies(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> list[Policy]:
     return [options_of[k][min(o, len(options_of[k]) - 1)].policy for k, o in enumerate(choice)]
 
@@ -794,7 +799,7 @@ def _trace_uniform(
     """Trace each option on every block (the DP's table) and ``record`` the traces, on
     forked workers where they add up to seconds (:func:`remat.native.workers.mapped`): they
     are independent and the same wherever they run, so the plan does not depend on it."""
-    keys = [tuple(min(o, len(m) - 1) for m in options_of) for o in range(n_opts)]
+    keys = [_choice_key(options_of, [o] * len(options_of)) for o in range(n_opts)]
     todo = [k for k in dict.fromkeys(keys) if k not in found]
 
     def one(key: tuple[int, ...]) -> StepTrace:

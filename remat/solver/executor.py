@@ -253,12 +253,9 @@ def _sac_order(
     regions = _regions(problem)
     eager = {r for r, m in regions.markers.items() if m in keep}
     replay: dict[str, list[str]] = {}
-    for r, names in regions.values.items():
-        if r in eager:
-            continue
-        needed = regions.needed.get(r, frozenset())
-        stop = max((k for k, n in enumerate(names) if n in needed), default=-1)
-        replay[r] = [n for n in names[: stop + 1] if n not in keep and n not in skip]
+    spans = {r: _replay_span(problem, r) for r in regions.values if r not in eager}
+    for r, span in spans.items():
+        replay[r] = [n for n in span if n not in keep and n not in skip]
     backward: list[str] = []
     recomputed: list[str] = []
     starts: dict[str, int] = {}
@@ -318,7 +315,7 @@ def _sac_order(
         )
     )
     saved_out = tuple(sorted((held & set(last)) | set(held_until), key=index.__getitem__))
-    dispatch = sum(_region_dispatch(problem, r, keep, _replay_span(problem, r)) for r in replay)
+    dispatch = sum(_region_dispatch(problem, r, keep, span) for r, span in spans.items())
     schedule = Schedule(
         forward=tuple(v.name for v in problem.values if v.role is Role.FORWARD),
         saved=saved_out,

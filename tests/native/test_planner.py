@@ -234,8 +234,8 @@ def test_the_per_block_family_is_bisected_below_a_plan_to_beat(
     analyzed: tuple[Any, ...],
 ) -> None:
     """With a traced plan to beat (the MILP's), the family's cheapest member that fits is
-    returned where it recomputes less, None where it does not; a plan to beat that
-    recomputes nothing leaves none to bisect."""
+    returned where it adds less time, None where it does not; a plan to beat that
+    adds nothing leaves none to bisect."""
     problem, tracer, _ = analyzed
     every = planner.fixed_policies(problem, "block")
     n = len(problem.blocks)
