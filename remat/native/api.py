@@ -545,8 +545,9 @@ def _plan(
     regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
     place of the blocks (:func:`remat.native.regions.split_blocks`): the cheaper traced plan
     that fits wins, on steps of up to :data:`FINER_PASS_EVENTS` events. Each pass runs the
-    exact MILP first, and the chain DP as its fallback or as a second opinion where its
-    traces are cheap (:func:`planner.solve`). Which passes and solvers run depends on the
+    exact MILP first, and the chain DP as its fallback; the blocks' pass also asks the chain
+    DP (or, where its traces are many, the per-block family) for a second opinion
+    (:func:`planner.solve`). Which passes and solvers run depends on the
     model and the budget, never on the clock: the time limit is each solver's counted work
     (:mod:`remat.solver.clock`).
     Fixed plans are the blocks'."""
@@ -596,9 +597,10 @@ def _plan(
     outside = regions.outside_blocks(model, blocks)
 
     def solved(
-        regions_: tuple[str, ...], analyzed: Analyzed | None = None
+        regions_: tuple[str, ...], analyzed: Analyzed | None = None, second: bool = True
     ) -> tuple[planner.NativeProblem, planner.Solution]:
-        """The plan on ``regions_``, each solver with the request's time limit of work."""
+        """The plan on ``regions_``, each solver with the request's time limit of work
+        (``second``: :func:`planner.solve`'s ``second_opinions``)."""
         problem, tracer, uniform = analyzed or on(regions_)
         return problem, planner.solve(
             problem,
@@ -608,6 +610,7 @@ def _plan(
             solver=solver,
             uniform=uniform,
             milp_first=True,
+            second_opinions=second,
         )
 
     best: tuple[planner.NativeProblem, planner.Solution] | None = None
@@ -638,7 +641,7 @@ def _plan(
         return best
     progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
     try:
-        finer, solution = solved(split + outside)
+        finer, solution = solved(split + outside, second=best is None)
     except BudgetError as e:
         if error is None or e.least_peak_bytes < error.least_peak_bytes:
             error = e

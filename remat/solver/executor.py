@@ -185,6 +185,54 @@ def _regions(problem: Problem) -> _Regions:
     )
 
 
+@dataclass(frozen=True)
+class _Reads:
+    """What :func:`_sac_order` reads of a SAC problem whatever the plan, resolved once: it
+    runs once per region for the lifetimes (81 regions of a 70B model's 24,000 values)."""
+
+    forward: tuple[str, ...]
+    backward: tuple[tuple[str, str], ...]
+    """The backward's values in order, each with its region."""
+    inputs: Mapping[str, tuple[tuple[str, str, bool], ...]]
+    """Value -> its inputs, each with its region and whether it is a forward value."""
+    region: Mapping[str, str]
+    never_recomputed: frozenset[str]
+    """The regions' forward values that must never re-run (kept by every plan)."""
+    policy: Mapping[str, tuple[str, ...]]
+    """Region -> its forward values the policy sees."""
+    device_s: Mapping[str, float]
+    """Region -> the op time of its policy-called forward values and of its backward (what
+    an overlapped dispatch hides behind, with the replay's)."""
+
+
+@_per_problem
+def _reads(problem: Problem) -> _Reads:
+    by_name = problem.by_name
+    regions = _regions(problem)
+    return _Reads(
+        forward=tuple(v.name for v in problem.values if v.role is Role.FORWARD),
+        backward=tuple((v.name, v.region) for v in problem.values if v.role is Role.BACKWARD),
+        inputs={
+            v.name: tuple((i, by_name[i].region, by_name[i].role is Role.FORWARD) for i in v.inputs)
+            for v in problem.values
+        },
+        region={v.name: v.region for v in problem.values},
+        never_recomputed=frozenset(
+            v.name
+            for v in problem.values
+            if v.role is Role.FORWARD and v.region and v.never_recomputed
+        ),
+        policy={
+            r: tuple(n for n in names if by_name[n].policy) for r, names in regions.values.items()
+        },
+        device_s={
+            r: sum(by_name[n].time_s for n in names if by_name[n].policy)
+            + sum(by_name[n].time_s for n in regions.backward.get(r, ()))
+            for r, names in regions.values.items()
+        },
+    )
+
+
 @_per_problem
 def _creators(problem: Problem) -> Mapping[str, str]:
     """Storage -> the value that allocates it."""
@@ -209,9 +257,7 @@ def _sac_keep(problem: Problem, saved: Iterable[str]) -> frozenset[str]:
             if creator.get(s) in candidates
             and problem.by_name[creator[s]].region == problem.by_name[name].region
         )
-    keep.update(
-        v.name for v in problem.values if v.role is Role.FORWARD and v.region and v.never_recomputed
-    )
+    keep.update(_reads(problem).never_recomputed)
     eager = {problem.by_name[n].region for n in keep if problem.by_name[n].op == NO_CHECKPOINT}
     return frozenset(
         n
@@ -256,23 +302,18 @@ def _sac_order(
     spans = {r: _replay_span(problem, r) for r in regions.values if r not in eager}
     for r, span in spans.items():
         replay[r] = [n for n in span if n not in keep and n not in skip]
+    reads = _reads(problem)
     backward: list[str] = []
     recomputed: list[str] = []
     starts: dict[str, int] = {}
-    for v in problem.values:
-        if v.role is not Role.BACKWARD:
-            continue
-        if v.region and v.region not in starts:
-            starts[v.region] = len(backward)
-            backward.extend(replay.get(v.region, ()))
-            recomputed.extend(replay.get(v.region, ()))
-        backward.append(v.name)
+    for name, region in reads.backward:
+        if region and region not in starts:
+            starts[region] = len(backward)
+            backward.extend(replay.get(region, ()))
+            recomputed.extend(replay.get(region, ()))
+        backward.append(name)
     again = set(recomputed)
     last: dict[str, int] = {}
-    for k, n in enumerate(backward):
-        for i in by_name[n].inputs:
-            if n not in again or by_name[i].region != by_name[n].region:
-                last[i] = k  # a read of the forward's copy
     # Held from the forward: kept values, region inputs, and what eager code's autograd
     # keeps: forward values that the backward of other code (outside the regions, an eager
     # region, another region) reads.
@@ -280,10 +321,12 @@ def _sac_order(
     for r, ins in regions.inputs.items():
         if r not in eager:
             held |= ins
-    for n in backward:
-        for i in by_name[n].inputs:
-            r = by_name[i].region
-            if by_name[i].role is Role.FORWARD and (not r or r in eager or r != by_name[n].region):
+    for k, n in enumerate(backward):
+        own, replayed = reads.region[n], n in again
+        for i, r, forward in reads.inputs[n]:
+            if not replayed or r != own:
+                last[i] = k  # a read of the forward's copy
+            if forward and (not r or r in eager or r != own):
                 held.add(i)
     held_until: dict[str, str] = {}
     for r, names in regions.values.items():
@@ -317,7 +360,7 @@ def _sac_order(
     saved_out = tuple(sorted((held & set(last)) | set(held_until), key=index.__getitem__))
     dispatch = sum(_region_dispatch(problem, r, keep, span) for r, span in spans.items())
     schedule = Schedule(
-        forward=tuple(v.name for v in problem.values if v.role is Role.FORWARD),
+        forward=reads.forward,
         saved=saved_out,
         external_reads=(),
         backward=tuple(backward),
@@ -345,15 +388,15 @@ def _region_dispatch(
     (:class:`remat.problem.DispatchCosts`), ``keep`` kept and ``span`` replayed."""
     costs = problem.dispatch
     by_name = problem.by_name
-    names = [n for n in _regions(problem).values[region] if by_name[n].policy]
+    reads = _reads(problem)
+    names = reads.policy[region]
     replayed = [n for n in span if by_name[n].policy]
     kept = sum(n in keep for n in names)
     hits = sum(n in keep for n in replayed)
     host = costs.host_s(kept, len(names) - kept, hits, len(replayed) - hits, 1)
     if not costs.overlapped:
         return host
-    device = sum(by_name[n].time_s for n in names)
-    device += sum(by_name[n].time_s for n in _regions(problem).backward.get(region, ()))
+    device = reads.device_s[region]
     device += sum(by_name[n].time_s for n in replayed if n not in keep)
     return costs.exposed_s(host, device)
 

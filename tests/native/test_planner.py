@@ -110,7 +110,8 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_where_cheap(
     """``milp_first`` (``remat.apply``'s passes): where the chain DP's traces are few
     (:data:`planner.SECOND_OPINION_EVENTS`), the plan is the one of the chain DP first;
     where they are more, the MILP's plan stands and the progress says why; where the MILP
-    found none, the chain DP's. A count decides, never the clock."""
+    found none, the chain DP's. A count decides, never the clock. Without second opinions
+    (the finer pass), the MILP's plan alone, and the chain DP's where it found none."""
     problem, tracer, _ = analyzed
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
@@ -126,11 +127,25 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_where_cheap(
     assert "per-block family" in alone.reason
     assert any("not run; the per-block family instead" in line for line in seen)
     assert alone.trace.peak_bytes <= budget
+    lone = planner.solve(
+        problem, tracer, budget_bytes=budget, config=config, milp_first=True, second_opinions=False
+    )
+    milp = planner._milp(problem, tracer, budget, config)
+    assert milp is not None and lone.policies == milp.policies
+    assert "no second opinion" in lone.reason and "per-block family" not in lone.reason
     monkeypatch.setattr(planner, "_milp", lambda *args: None)
-    fallback = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
     chain, _ = planner._chain(problem, tracer, budget, config)
     assert isinstance(chain, planner.Solution)
-    assert fallback.policies == chain.policies and fallback.reason.startswith("chain DP")
+    for second in (True, False):
+        fallback = planner.solve(
+            problem,
+            tracer,
+            budget_bytes=budget,
+            config=config,
+            milp_first=True,
+            second_opinions=second,
+        )
+        assert fallback.policies == chain.policies and fallback.reason.startswith("chain DP")
 
 
 def test_the_chain_dp_s_work_limit_cuts_its_budgets_and_says_so(
@@ -167,11 +182,13 @@ def test_apply_s_passes_do_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPat
     look plans what an idle machine does. The finer pass is skipped only by its count of
     events (:data:`native_api.FINER_PASS_EVENTS`), and the progress says so."""
     calls: list[float] = []
+    second: list[bool] = []
     solve = planner.solve
 
     def spy(*args: Any, **kwargs: Any) -> planner.Solution:
         assert kwargs["milp_first"]
         calls.append(kwargs["config"].time_limit_s)
+        second.append(kwargs["second_opinions"])
         return solve(*args, **kwargs)
 
     monkeypatch.setattr(planner, "solve", spy)
@@ -186,9 +203,11 @@ def test_apply_s_passes_do_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPat
 
     def planned() -> remat.Plan:
         calls.clear()
+        second.clear()
         work = copy.deepcopy(model)
         remat.apply(work, args, activation_budget_bytes=budget, time_limit_s=600)
         assert calls == [600, 600]
+        assert second == [True, False]  # the blocks' plan had them
         return remat.plan_of(work)
 
     idle = planned()
