@@ -1,4 +1,4 @@
-"""remat's two executors against eager at the same saved set, on one CPU thread (issue 26 item 5).
+"""remat's two executors against eager at the same saved set, on one CPU thread.
 
 Per model, one process, interleaved rounds (these machines are shared: only ratios within a
 round are meaningful), each step timed alone after warm-ups, median over the rounds:

@@ -1,6 +1,6 @@
 """Benchmark (not a test): the floor under the chain solver's plans on GPT-2 small, the
-backward's moments alone against the blocks' fronts (item 3 of issue 26: how far from the
-optimum a 12-layer plan can at most be, where the flat MILP proves nothing).
+backward's moments alone against the blocks' fronts: how far from the optimum a 12-layer
+plan can at most be, where the flat MILP proves nothing.
 
     python experiments/floors.py [--floor-time 60] [--time-limit 60]
 

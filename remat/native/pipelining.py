@@ -31,7 +31,7 @@ of P ranks): ``remat.apply`` then plans the rank's stages together, as one modul
 
 SCHEDULES = (*SINGLE_STAGE, *MULTI_STAGE)
 """Schedules ``remat.apply`` plans for, each microbatch's backward whole: PyTorch's selective
-checkpointing is bitwise under them (DESIGN.md)."""
+checkpointing is bitwise under them (`docs/design.md`)."""
 
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """Schedules that split each backward into an input and a weight part: a region under

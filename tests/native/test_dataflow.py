@@ -4,8 +4,8 @@ The dataflow of the eager step reproduces that step to the byte; the solvers' pl
 (the spans MILP, its LP rounding, a heuristic) are traced, fit their budget, train bitwise
 and are measured as predicted. The dataflow's simulation of a checkpointed step is the
 solvers' model, not the prediction (the trace is): on TinyGPT's menu options it was within
--4% to +7% of the trace (``/tmp`` probe, session 8), which the planner absorbs by solving
-again for less while the trace is over.
+-4% to +7% of the trace (each option traced and simulated), which the planner absorbs by
+solving again for less while the trace is over.
 """
 
 from __future__ import annotations
