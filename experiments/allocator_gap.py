@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         model = case.build()
         for plan in ("keep_all", "keep_matmuls", "block"):
             result = verify(
-                model, case.inputs(), example_kwargs=case.kwargs, plan=plan, steps=2, native=True
+                model, case.inputs(), example_kwargs=case.kwargs, plan=plan, steps=2, executor="sac"
             )
             _show(f"native {case.name}", plan, result)
     for name in filter(None, a.whole.split(",")):

@@ -35,7 +35,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from remat.api import optimize
 from remat.budget import (
     DEFAULT_RESERVE,
     GB,
@@ -44,33 +43,26 @@ from remat.budget import (
     StaticMemoryError,
     device_budget,
 )
+from remat.executors import EXECUTORS, GRAPH, SAC, Executor
 from remat.fit import FitReport, fit
-from remat.graph.profiles import PROFILE_NAMES, get_profile
+from remat.graph.profiles import PROFILE_NAMES
 from remat.meter import Loss
 from remat.models import TinyGPT
-from remat.native.api import NATIVE_SOLVERS, apply, kv_cache_off, save_plan
-from remat.native.api import analyze as native_analyze
+from remat.native.api import save_plan
 from remat.native.parallel import tensor_parallel
 from remat.native.pipeline_plan import plan_pipeline
-from remat.native.planner import NATIVE_PLANS
-from remat.native.planner import fixed as native_fixed
-from remat.native.planner import solve as native_solve
-from remat.native.regions import find_blocks
-from remat.native.report import explain_applied
 from remat.native.split import CausalLMStage, causal_lm_stages, stage_example
 from remat.native.state import applied
-from remat.native.trace import FSDP_PARAM_DTYPES, StepTrace, TraceError
-from remat.pipeline import analyze
+from remat.native.trace import FSDP_PARAM_DTYPES, TraceError
 from remat.pipeline_fit import PipelineFitReport, fit_pipeline
 from remat.plots import fit_plot, pareto_plot, timeline_plot
 from remat.presets import PRESETS, Built, build, parse_settings
 from remat.problem import Problem
-from remat.report import explain_plan
-from remat.request import Request, as_args, model_static_memory, resolve_profile
+from remat.request import Request, model_static_memory
 from remat.rewrite.module import RematModule
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
-from remat.solver.plan import Plan, Proof, floor_of, gap_text, proven
+from remat.solver.plan import Plan, Proof, floor_of, gap_text
 from remat.solver.registry import HEURISTICS, SOLVERS, least_peak, solve
 from remat.verify import verify
 
@@ -278,47 +270,30 @@ def plan_command(args: argparse.Namespace) -> int:
         f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}{tp}, profile "
         f"{args.device}, budget {args.budget_gb} GB per device"
     )
-    console.print(f"executor: {EXECUTORS[executor]}")
+    console.print(f"executor: {executor}")
     progress = console.status("planning...")
     with progress:
         try:
             req = _request(args, lambda msg: progress.update(f"planning: {msg}"))
-            if executor == "sac":
-                model = apply(
-                    built.model,
-                    built.args,
-                    example_kwargs=built.kwargs,
-                    request=req,
-                    **built.loss(),
-                )
-                timings = applied(model).timings
-            else:
-                fast = optimize(
-                    built.model,
-                    built.args,
-                    example_kwargs=built.kwargs,
-                    request=req,
-                    **built.loss(),
-                )
-                timings = fast._first.timings
+            planned = executor.plan(
+                built.model, built.args, example_kwargs=built.kwargs, request=req, **built.loss()
+            )
         except (ValueError, TraceError) as e:
             console.print(f"[red]remat plan: {e}")
             return 1
     wall = time.perf_counter() - t0
-    if executor == "sac":
-        console.print(explain_applied(applied(model), width=console.width), end="")
-    else:
-        console.print(explain_plan(fast.plan, fast._first.problem, width=console.width), end="")
+    console.print(planned.explain(width=console.width), end="")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    stages = ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+    stages = ", ".join(f"{k} {v:.1f} s" for k, v in planned.timings.items())
     console.print(f"wall time {wall:.1f} s ({stages}), max RSS {rss:.2f} GiB")
     if args.save:
-        saved = save_plan(model, args.save) if executor == "sac" else fast.save_plan(args.save)
-        console.print(f"plan written to {saved}")
+        console.print(f"plan written to {planned.save(args.save)}")
     return 0
 
 
-def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, console: Console) -> int:
+def _plan_pipeline(
+    args: argparse.Namespace, built: Built, executor: Executor, console: Console
+) -> int:
     """``--pp-size``: the model cut into stages (:mod:`remat.native.split`), every stage
     planned at once (:func:`remat.plan_pipeline`), one device budget per rank; with
     ``--stages-per-rank V`` (Interleaved1F1B, LoopedBFS) ``pp_size x V`` stages."""
@@ -339,7 +314,7 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
         f"{args.precision}, {args.optimizer}, "
         f"profile {args.device}, budget {args.budget_gb} GB per rank's device"
     )
-    console.print(f"executor: {EXECUTORS[executor]}")
+    console.print(f"executor: {executor}")
     progress = console.status("planning...")
     with progress:
         try:
@@ -365,12 +340,12 @@ def _plan_pipeline(args: argparse.Namespace, built: Built, executor: str, consol
 
 
 def _pipeline_stages(
-    args: argparse.Namespace, built: Built, executor: str
+    args: argparse.Namespace, built: Built, executor: Executor
 ) -> tuple[list[CausalLMStage], list[torch.Tensor], torch.Tensor, int]:
     """``--pp-size``: the model's stages (tensor-parallel with ``--tp-size``), one
     microbatch's input of each, that microbatch's tokens and the number of microbatches."""
-    if executor != "sac":
-        raise ValueError("--pp-size plans remat.apply's executor: use --executor sac")
+    if not executor.distributed:
+        raise ValueError(f"--pp-size plans {SAC.entry}'s executor: use --executor {SAC.name}")
     microbatches = args.microbatches or args.pp_size
     tokens = built.args[0] if built.args else None
     if not isinstance(tokens, torch.Tensor) or tokens.shape[0] % microbatches:
@@ -429,21 +404,13 @@ def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-EXECUTORS = {
-    "graph": "remat's whole-graph executor (remat.optimize): one module, no distributed engine",
-    "sac": "PyTorch's selective checkpointing on the model's blocks (remat.apply): runs under "
-    "FSDP2, DDP, torch.compile, the Trainer",
-}
-"""``--executor`` values (``auto``: :func:`executor_of`)."""
-
-
-def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor: str) -> None:
+def _tensor_parallel(model: torch.nn.Module, args: argparse.Namespace, executor: Executor) -> None:
     """``--tp-size``: the model parallelized on a fake process group as torchtitan does Llama
     (:mod:`remat.native.parallel`); only ``remat.apply``'s executor runs tensor-parallel.
     With ``--zero-stage 3 --world-size N`` (TP x FSDP2): ``N x tp`` ranks on one 2-D mesh,
     FSDP2 over its ``N`` data-parallel ranks."""
-    if executor != "sac":
-        raise ValueError("--tp-size plans remat.apply's executor: use --executor sac")
+    if not executor.distributed:
+        raise ValueError(f"--tp-size plans {SAC.entry}'s executor: use --executor {SAC.name}")
     fsdp = args.zero_stage == 3 and args.world_size > 1
     tensor_parallel(
         model,
@@ -461,16 +428,16 @@ def _no_factory_loss(built: Built) -> None:
         )
 
 
-def executor_of(args: argparse.Namespace, built: Built | None = None) -> str:
-    """``--executor auto``: ``sac`` where the run is sharded or replicated (ZeRO-3 over several
-    ranks is FSDP2, data parallel is DDP: engines only the ``sac`` executor runs under) or
-    where a factory gives a loss outside the model (as torchtitan's trainer runs it: on the
-    user's own blocks), ``graph`` on one device."""
+def executor_of(args: argparse.Namespace, built: Built | None = None) -> Executor:
+    """``--executor``'s executor; ``auto``: ``sac`` where the run is sharded or replicated
+    (ZeRO-3 over several ranks is FSDP2, data parallel is DDP: engines only the ``sac``
+    executor runs under) or where a factory gives a loss outside the model (as torchtitan's
+    trainer runs it: on the user's own blocks), ``graph`` on one device."""
     loss = built is not None and built.loss_fn is not None
     if args.executor != "auto":
-        return str(args.executor)
+        return EXECUTORS[args.executor]
     parallel = getattr(args, "tp_size", 1) > 1 or getattr(args, "pp_size", 1) > 1
-    return "sac" if args.world_size > 1 or parallel or loss else "graph"
+    return EXECUTORS["sac" if args.world_size > 1 or parallel or loss else "graph"]
 
 
 def _request(args: argparse.Namespace, progress: Callable[[str], None]) -> Request:
@@ -512,10 +479,20 @@ def compare_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"[red]remat compare: {e}")
         return 2
-    console.print(f"executor: {EXECUTORS[executor]}")
+    console.print(f"executor: {executor}")
     with console.status("analysing..."):
         try:
-            side = (_NativeSide if executor == "sac" else _GraphSide)(args, built, options)
+            side = executor.compare(
+                built.model,
+                built.args,
+                request=Request.of(
+                    optimizer=args.optimizer, precision=args.precision,
+                    zero_stage=args.zero_stage, world_size=args.world_size,
+                    device_profile=args.device,
+                ),
+                example_kwargs=built.kwargs,
+                loss=Loss.of(built.loss_fn, built.target),
+            )  # fmt: skip
         except (ValueError, TraceError) as e:
             console.print(f"[red]remat compare: {escape(str(e))}")
             return 1
@@ -581,11 +558,6 @@ def compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
-Solved = tuple[int, float, "float | None", Proof]
-"""A compared plan: step peak bytes, recompute % of the step, its proven floor in % (or
-None), its proof."""
-
-
 def _compare_table(rows: list[dict[str, object]], title: str) -> Table:
     """``remat compare``'s rows, each plan's proof read from its data: ``opt`` (proven least,
     or at the best floor any plan proved at that budget), ``+x%`` above that floor, or what
@@ -628,78 +600,6 @@ def _compare_table(rows: list[dict[str, object]], title: str) -> Table:
     return table
 
 
-class _GraphSide:
-    """``remat compare`` for remat's executor: every solver on the captured joint graph."""
-
-    def __init__(self, args: argparse.Namespace, built: Any, options: Options) -> None:
-        self.problem = analyze(
-            built.model,
-            built.args,
-            built.kwargs,
-            device_profile=args.device,
-            precision=args.precision,
-            grads_held=not options.grads_released,
-            loss=Loss.of(built.loss_fn, built.target),
-        ).problem
-        self.solvers = [*SOLVERS, "auto"]
-
-    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
-        keep_all = solve(self.problem, solver="keep_all", budget_bytes=None)
-        least = min(least_peak(self.problem, n, config) for n in HEURISTICS)
-        return least, keep_all.predicted_peak_bytes
-
-    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
-        plan = solve(self.problem, solver=name, budget_bytes=budget, config=config)
-        step = plan.simulation.step_time_s
-        bound = None if plan.lower_bound_s is None else 100 * plan.lower_bound_s / step
-        pct = 100 * plan.simulation.recompute_time_s / step
-        return plan.predicted_peak_bytes, pct, bound, proven(plan)
-
-
-class _NativeSide:
-    """``remat compare --executor sac``: ``remat.apply``'s fixed plans, its ``auto`` and each
-    of remat's solvers for its executor, every plan traced (the model is not modified)."""
-
-    def __init__(self, args: argparse.Namespace, built: Any, options: Options) -> None:
-        model = built.model
-        req = Request.of(
-            optimizer=args.optimizer, precision=args.precision, zero_stage=args.zero_stage,
-            world_size=args.world_size, device_profile=args.device,
-        )  # fmt: skip
-        profile = get_profile(resolve_profile(model, args.device))
-        blocks = find_blocks(model)
-        self.args, self.kwargs = as_args(built.args), dict(built.kwargs)
-        loss = Loss.of(built.loss_fn, built.target)
-        with kv_cache_off(model):
-            self.traced, self.problem = native_analyze(
-                model, blocks, self.args, self.kwargs, req, profile, loss=loss
-            )
-        self.model = model
-        self.solvers = [*(f"plan:{n}" for n in NATIVE_PLANS), "auto", *NATIVE_SOLVERS]
-
-    def _tracer(self, policies: Any, schedule: bool = True) -> StepTrace:
-        with kv_cache_off(self.model):
-            return self.traced.trace(self.args, self.kwargs, policies, schedule)
-
-    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
-        least = native_fixed(self.problem, "block", self._tracer).trace.peak_bytes
-        return least, self.problem.baseline.peak_bytes
-
-    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
-        if name.startswith("plan:"):  # remat.apply(plan=...)
-            solution = native_fixed(self.problem, name.removeprefix("plan:"), self._tracer)
-            if solution.trace.peak_bytes > budget:
-                raise BudgetError(budget, solution.trace.peak_bytes, f"plan {name!r}")
-        else:
-            solution = native_solve(
-                self.problem, self._tracer, budget_bytes=budget, config=config, solver=name
-            )
-        trace = solution.trace
-        step = sum(e.time_s for e in trace.events)
-        pct = 100 * trace.recompute_time_s / step if step else 0.0
-        return trace.peak_bytes, pct, None, Proof.OPTIMAL if pct == 0 else solution.proof
-
-
 def _shallow(
     spec: str, args: argparse.Namespace, model: torch.nn.Module
 ) -> tuple[torch.nn.Module, int, int] | None:
@@ -734,7 +634,7 @@ def _copies(
 
 
 def _parallel_copies(
-    copies: Callable[[int], torch.nn.Module], args: argparse.Namespace, executor: str
+    copies: Callable[[int], torch.nn.Module], args: argparse.Namespace, executor: Executor
 ) -> Callable[[int], torch.nn.Module]:
     """``--tp-size``: each shallow copy parallelized as the model is (its own fake world)."""
 
@@ -762,8 +662,10 @@ def fit_command(args: argparse.Namespace) -> int:
                 "--menus is for --pp-size (one device's fit with --executor sac always "
                 "traces the chain DP's menus)"
             )
-        shallow = _shallow(args.model, args, built.model) if executor == "graph" else None
-        copies = _copies(args.model, args, built.model) if executor == "sac" else None
+        # A deep stack is fitted on fewer layers: one shallow copy for the graph executor,
+        # copies of two depths for SAC's (remat.fit's ``shallow`` and ``copies``).
+        shallow = _shallow(args.model, args, built.model) if executor is GRAPH else None
+        copies = _copies(args.model, args, built.model) if executor is SAC else None
         if args.sequence_parallel and args.tp_size < 2:
             raise ValueError("--sequence-parallel needs --tp-size 2 or more")
         if args.tp_size > 1:
@@ -773,7 +675,7 @@ def fit_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         err.print(f"[red]remat fit: {e}")
         return 2
-    err.print(f"executor: {EXECUTORS[executor]}")
+    err.print(f"executor: {executor}")
     status = err.status("capturing...")
     with status:
         try:
@@ -797,7 +699,7 @@ def fit_command(args: argparse.Namespace) -> int:
     d = report.budget
     console.print(
         f"[bold]{built.description}[/]; {args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}"
-        f" x {args.world_size}{_tp_text(args)}, profile {args.device}, executor {executor}. "
+        f" x {args.world_size}{_tp_text(args)}, profile {args.device}, executor {executor.name}. "
         f"Budget {_gb_text(d.budget_bytes)}: static "
         f"{_gb_text(d.static.total)}, reserve {_gb_text(d.reserve_bytes)}, step "
         f"{_gb_text(d.step_budget_bytes)}"
@@ -838,7 +740,7 @@ def fit_command(args: argparse.Namespace) -> int:
 
 
 def _fit_pipeline(
-    args: argparse.Namespace, built: Built, executor: str, console: Console, err: Console
+    args: argparse.Namespace, built: Built, executor: Executor, console: Console, err: Console
 ) -> int:
     """``remat fit --pp-size``: every rank of the pipeline within its budget
     (:func:`remat.fit_pipeline`), the microbatch size searched at ``--microbatches``."""
@@ -848,7 +750,7 @@ def _fit_pipeline(
         raise ValueError("--sequence-parallel with --pp-size is not supported yet")
     t0 = time.perf_counter()
     stages, inputs, micro, microbatches = _pipeline_stages(args, built, executor)
-    err.print(f"executor: {EXECUTORS[executor]}")
+    err.print(f"executor: {executor}")
     status = err.status("tracing the stages...")
     with status:
         req = _request(args, lambda msg: status.update(msg))

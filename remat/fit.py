@@ -32,9 +32,10 @@ from remat import _torch_compat as tc
 from remat.budget import DeviceBudget, autocast_cache_hint
 from remat.formula import (
     MemoryFormula,
+    Named,
     RangeFormula,
     analyze_dynamic,
-    check_executor,
+    executor_name,
     formula_of,
 )
 from remat.graph.dynamic import Dims, DynamicProblem, ShapeRange, capture_dynamic_deep
@@ -411,7 +412,7 @@ def fit(
     request: Request | None = None,
     max_batch: int = 1 << 16,
     shallow: tuple[nn.Module, int, int] | None = None,
-    executor: str = "graph",
+    executor: str | Named = "graph",
     copies: Copies | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
@@ -438,7 +439,7 @@ def fit(
     :func:`remat.apply` take it), its target tiled and cropped as the inputs are at every
     shape searched.
     """
-    check_executor(executor)
+    executor = executor_name(executor)
     loss = Loss.of(loss_fn, target)
     if request is None:
         flat.setdefault("time_limit_s", 10.0)

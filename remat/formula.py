@@ -15,7 +15,7 @@ peak of a real run (``tests/test_formula.py`` checks both).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,12 +31,12 @@ from remat.native.planner import NATIVE_PLANS
 from remat.peak_formula import MemoryFormula, RangeFormula
 from remat.pipeline import analyze
 from remat.request import Request, as_args, model_static_memory, resolve_profile
+from remat.solver.executor import EXECUTORS as EXECUTOR_MODELS
 from remat.solver.formula import peak_candidates, step_polynomials
 from remat.solver.plan import Plan, make_plan
 from remat.solver.registry import solve
 
 __all__ = [
-    "EXECUTORS",
     "MemoryFormula",
     "RangeFormula",
     "analyze_dynamic",
@@ -126,14 +126,23 @@ def formula_of(dynamic: DynamicProblem, plan: str | Plan, static: StaticMemory) 
     return MemoryFormula(name, static, tuple(ranges), dynamic.dims.seq is not None, tuple(notes))
 
 
-EXECUTORS = ("graph", "sac")
-"""``graph``: remat's whole-graph executor (:func:`remat.optimize`); ``sac``: PyTorch's
-selective checkpointing on the model's blocks (:func:`remat.apply`)."""
+class Named(Protocol):
+    """An executor (:class:`remat.executors.Executor`) as this module reads it: by the name
+    the solver core models it by (importing the executors' module here would close an import
+    cycle through :mod:`remat.api`)."""
+
+    @property
+    def name(self) -> str: ...
 
 
-def check_executor(executor: str) -> None:
-    if executor not in EXECUTORS:
-        raise ValueError(f"unknown executor {executor!r}; valid: {', '.join(EXECUTORS)}")
+def executor_name(executor: str | Named) -> str:
+    """The name of ``executor`` (:class:`remat.executors.Executor`, or its name: ``graph``,
+    remat's whole-graph executor; ``sac``, PyTorch's selective checkpointing on the model's
+    blocks), checked against the executors the solver core models."""
+    name = executor if isinstance(executor, str) else executor.name
+    if name not in EXECUTOR_MODELS:
+        raise ValueError(f"unknown executor {name!r}; valid: {', '.join(EXECUTOR_MODELS)}")
+    return name
 
 
 def memory_formula(
@@ -142,7 +151,7 @@ def memory_formula(
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     plan: str | Plan = "keep_all",
-    executor: str = "graph",
+    executor: str | Named = "graph",
     precision: str = "fp32",
     optimizer: str = "adamw",
     zero_stage: int = 0,
@@ -173,7 +182,7 @@ def memory_formula(
     the loop's loss (as :func:`remat.optimize` and :func:`remat.apply` take it), its target
     tiled and cropped as the inputs are at every shape.
     """
-    check_executor(executor)
+    executor = executor_name(executor)
     loss = Loss.of(loss_fn, target)
     options = Options(
         optimizer=optimizer, precision=precision, zero_stage=zero_stage, world_size=world_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.api import optimize
+from remat.executors import GRAPH, SAC, Executor, executor_named
 from remat.graph.autocast import AUTOCAST
 from remat.meter import Loss, measure_step
-from remat.native.api import apply
-from remat.native.state import plan_of
 from remat.request import as_args as _as_args
 from remat.solver.plan import Plan
 
@@ -46,7 +45,7 @@ class StepCheck:
 class Verification:
     module: nn.Module
     """The remat module (:func:`remat.optimize`), or the model wrapped in place
-    (:func:`remat.apply`, ``native=True``)."""
+    (:func:`remat.apply`, ``executor="sac"``)."""
     plan: Plan
     steps: tuple[StepCheck, ...]
 
@@ -91,7 +90,8 @@ def verify(
     example_kwargs: Mapping[str, Any] | None = None,
     steps: int = 3,
     lr: float = 1e-2,
-    native: bool = False,
+    executor: str | Executor = "graph",
+    native: bool | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
     **optimize_kwargs: Any,
@@ -101,9 +101,19 @@ def verify(
     ``model`` itself is not touched. ``loss_fn``: both train on ``loss_fn(output, target)``,
     the step planned with that loss (the outputs compared are then the losses); without it,
     output gradients are dense and random (as a loss such as cross-entropy would give), drawn
-    from their own generator. ``native``: the copy is prepared with :func:`remat.apply` (its
-    own blocks under SAC policies) instead of :func:`remat.optimize`.
+    from their own generator. ``executor``: the one that plans and runs the copy
+    (:mod:`remat.executors`): ``graph``, :func:`remat.optimize`; ``sac``, :func:`remat.apply`
+    (the copy's own blocks under SAC policies). ``native=True`` is the old spelling of
+    ``executor="sac"`` (deprecated).
     """
+    if native is not None:
+        warnings.warn(
+            'remat.verify(native=...) is deprecated: pass executor="sac" (or "graph")',
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        executor = SAC if native else GRAPH
+    runner = executor_named(executor)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     # Mixed precision: the eager reference runs its forward under autocast; the remat module
@@ -119,15 +129,11 @@ def verify(
     loss = Loss.of(loss_fn, target)
     if loss is not None:
         optimize_kwargs = {**optimize_kwargs, "loss_fn": loss_fn, "target": target}
-    fast: nn.Module
-    if native:
-        fast = apply(work, args, example_kwargs=kwargs, **optimize_kwargs)
-        plan = plan_of(fast)
-        fast_autocast = autocast  # the user's own forward, run as the reference's
-    else:
-        fast = optimize(work, args, example_kwargs=kwargs, **optimize_kwargs)
-        plan = fast.plan
-        fast_autocast = None
+    planned = runner.plan(work, args, example_kwargs=kwargs, **optimize_kwargs)
+    fast, plan = planned.module, planned.plan
+    # The user's own forward runs under the reference's autocast; remat's module carries the
+    # casts in its graphs.
+    fast_autocast = autocast if runner.own_forward else None
     # Planning leaves garbage in reference cycles (capture graphs, solver models); collected
     # now, not by the cyclic collector inside a measured step, where freeing a tensor allocated
     # before the profiler started makes the allocator warn on stderr ("memory block of unknown

@@ -96,7 +96,7 @@ def test_fsdp_mixed_precision_is_refused_by_single_process_verify() -> None:
 
     model, tokens = _tiny()
     with pytest.raises(ValueError, match=r"one process; precision 'bf16-fsdp' needs FSDP2"):
-        verify(model, tokens, native=True, precision="bf16-fsdp", zero_stage=3, world_size=2)
+        verify(model, tokens, executor="sac", precision="bf16-fsdp", zero_stage=3, world_size=2)
 
 
 def _tiny() -> tuple[nn.Module, torch.Tensor]:

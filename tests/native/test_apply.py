@@ -42,7 +42,7 @@ def test_three_budgets_bitwise_predicted_and_monotone(case: Case) -> None:
     costs = []
     for budget in (least, (least + eager_peak) // 2, eager_peak):
         result = assert_trains_like_eager(
-            model, args, case.kwargs, native=True, activation_budget_bytes=budget
+            model, args, case.kwargs, executor="sac", activation_budget_bytes=budget
         )
         plan = result.plan
         for step in result.steps:

@@ -30,7 +30,7 @@ def test_swin_is_planned_on_its_layers() -> None:
     )  # fmt: skip
     torch.manual_seed(0)
     result = assert_trains_like_eager(
-        transformers.SwinModel(cfg), (torch.randn(2, 3, 32, 32),), {}, native=True, plan="block"
+        transformers.SwinModel(cfg), (torch.randn(2, 3, 32, 32),), {}, executor="sac", plan="block"
     )
     assert _blocks(result.module) == tuple(
         f"encoder.layers.{s}.blocks.{b}" for s in range(2) for b in range(2)
@@ -49,7 +49,7 @@ def test_whisper_is_planned_on_its_encoder_and_decoder_layers() -> None:
     kwargs: dict[str, Any] = {"decoder_input_ids": torch.randint(0, 64, (2, 8))}
     model = transformers.WhisperForConditionalGeneration(cfg)
     result = assert_trains_like_eager(
-        model, (torch.randn(2, 8, 32),), kwargs, native=True, plan="block"
+        model, (torch.randn(2, 8, 32),), kwargs, executor="sac", plan="block"
     )
     assert _blocks(result.module) == (
         *(f"model.encoder.layers.{i}" for i in range(2)),
@@ -63,7 +63,9 @@ def test_bloom_runs_its_custom_autograd_function_backward() -> None:
     )
     torch.manual_seed(0)
     model = transformers.BloomForCausalLM(cfg)
-    assert_trains_like_eager(model, (torch.randint(0, 64, (2, 16)),), {}, native=True, plan="block")
+    assert_trains_like_eager(
+        model, (torch.randint(0, 64, (2, 16)),), {}, executor="sac", plan="block"
+    )
 
 
 class _QuantBlock(nn.Module):
@@ -80,6 +82,6 @@ def test_a_straight_through_estimator_trains_bitwise() -> None:
     runs, so every gradient is eager's, none zero."""
     torch.manual_seed(0)
     result = assert_trains_like_eager(
-        Stack(_QuantBlock, 3), (torch.randn(4, 16),), {}, native=True, plan="block"
+        Stack(_QuantBlock, 3), (torch.randn(4, 16),), {}, executor="sac", plan="block"
     )
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in result.module.parameters())

@@ -115,7 +115,7 @@ def test_regions_drop_their_cast_weights_where_plain_checkpoint_keeps_them() -> 
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, dim=256, heads=4, layers=6, seq=16, dropout=0.1)
     tokens = torch.randint(0, 64, (2, 16))
-    result = assert_trains_like_eager(model, (tokens,), {}, native=True, precision="bf16-mixed",
+    result = assert_trains_like_eager(model, (tokens,), {}, executor="sac", precision="bf16-mixed",
                                       plan="block")  # fmt: skip
     plain = copy.deepcopy(model)
     for block in plain.blocks:

@@ -93,7 +93,7 @@ def test_solver_plans_fit_train_bitwise_and_are_measured_as_predicted(
         remat.apply(case.build(), args, example_kwargs=case.kwargs, activation_budget_bytes=1)
     budget = (info.value.least_peak_bytes + eager) // 2
     result = assert_trains_like_eager(
-        model, args, case.kwargs, native=True, activation_budget_bytes=budget, solver=solver
+        model, args, case.kwargs, executor="sac", activation_budget_bytes=budget, solver=solver
     )
     assert result.plan.solver == f"native:{solver}"
     assert result.plan.predicted_peak_bytes <= budget

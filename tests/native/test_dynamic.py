@@ -13,6 +13,7 @@ import torch
 import remat
 from remat.budget import Options
 from remat.cli import main
+from remat.executors import SAC
 from remat.fit import FIXED_SAC, FitReport, fit
 from remat.graph.dynamic import Dims, inputs_at
 from remat.graph.profiles import get_profile
@@ -197,7 +198,7 @@ def _check_cli_fit_and_compare(
     monkeypatch.setattr("remat.cli.fit", fake_fit)
     factory = "tests.zoo:tiny_llama_factory"
     assert main(["fit", factory, "--budget-gb", "0.02", "--executor", "sac"]) == 0
-    assert seen["executor"] == "sac" and seen["shallow"] is None
+    assert seen["executor"] is SAC and seen["shallow"] is None
     captured = capsys.readouterr()
     assert "keep matmuls" in captured.out and "native:keep_all" in captured.out
     assert "selective checkpointing" in captured.err

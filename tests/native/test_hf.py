@@ -73,7 +73,7 @@ def test_peft_lora_plan_counts_frozen_weights_and_trains_bitwise() -> None:
     assert frozen > 10 * trainable
 
     result = assert_trains_like_eager(
-        lora, (tokens,), {}, native=True, budget_bytes=8_000_000, optimizer="adamw"
+        lora, (tokens,), {}, executor="sac", budget_bytes=8_000_000, optimizer="adamw"
     )
     memory = result.plan.device_memory
     assert memory is not None
@@ -96,7 +96,7 @@ def test_a_training_wrapper_around_a_gqa_decoder_trains_bitwise() -> None:
     inner = model.lm
     assert inner.config.use_cache
     for plan in ("block", "keep_matmuls"):
-        result = assert_trains_like_eager(model, case.inputs(), {}, native=True, plan=plan)
+        result = assert_trains_like_eager(model, case.inputs(), {}, executor="sac", plan=plan)
         assert result.plan.solver.startswith("native")
     wrapped = copy.deepcopy(model)
     remat.apply(wrapped, case.inputs(), plan="block")

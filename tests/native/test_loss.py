@@ -47,7 +47,7 @@ def test_torchtitan_layout_with_its_loss_three_budgets() -> None:
     assert info.value.__cause__ is None and info.value.__suppress_context__
     for budget in (least, (least + eager) // 2, eager):
         result = assert_trains_like_eager(
-            model, (tokens,), {}, native=True, loss_fn=titan_loss, target=labels,
+            model, (tokens,), {}, executor="sac", loss_fn=titan_loss, target=labels,
             activation_budget_bytes=budget, time_limit_s=10,
         )  # fmt: skip
         applied = remat.native.state.applied(result.module)
@@ -178,7 +178,7 @@ def test_zoo_decoders_with_a_loop_loss_and_dropout(name: str) -> None:
     )
     budget = (remat.plan_of(block).predicted_peak_bytes + eager) // 2
     result = assert_trains_like_eager(
-        model, (ids,), {}, native=True, loss_fn=_next_token_loss, target=ids,
+        model, (ids,), {}, executor="sac", loss_fn=_next_token_loss, target=ids,
         activation_budget_bytes=budget, time_limit_s=10,
     )  # fmt: skip
     assert result.plan.recomputed  # some ops recomputed (pointwise ones count no FLOPs)

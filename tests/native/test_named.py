@@ -52,7 +52,7 @@ def test_torchtitan_op_keeps_every_other_matmul_and_trains_bitwise(tmp_path: Pat
     regions replay their whole forward, as torchtitan's wrapper runs them, and a plan file
     keeps that."""
     model, tokens = _model()
-    result = assert_trains_like_eager(model, (tokens,), {}, native=True, plan="torchtitan_op")
+    result = assert_trains_like_eager(model, (tokens,), {}, executor="sac", plan="torchtitan_op")
     state = applied(result.module)
     assert state.blocks[:3] == ("layers.0", "layers.1", "layers.2")
     assert state.policies[0] == frozenset(("aten.mm.default", k) for k in (0, 2, 4, 6))

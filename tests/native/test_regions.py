@@ -98,7 +98,7 @@ def test_outside_regions_fit_below_every_plan_on_the_blocks(name: str, tmp_path:
     model, args = case.build().train(), case.inputs()
     budget = int(0.97 * _least_on_the_blocks(case, model, args))
     result = assert_trains_like_eager(
-        model, args, case.kwargs, native=True, activation_budget_bytes=budget
+        model, args, case.kwargs, executor="sac", activation_budget_bytes=budget
     )
     assert result.plan.predicted_peak_bytes <= budget
     assert all(s.measured_peak_bytes <= budget for s in result.steps)
