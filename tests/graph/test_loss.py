@@ -34,20 +34,21 @@ def _eager_peak(model: nn.Module, args: tuple[Any, ...], loss: Loss) -> int:
 def test_torchtitan_layout_with_its_loss_three_budgets() -> None:
     """The model returns logits, the loss is torchtitan's: at the least peak, halfway and
     the eager peak of that step, bitwise over 3 AdamW steps, live bytes predicted exactly,
-    the allocator within the budget."""
+    the allocator within the budget. These hold for any plan, proven or not: the MILP gets 2
+    counted seconds (10 made this the suite's slowest test, at 113 s)."""
     model, tokens, labels = _titan()
     eager = _eager_peak(model, (tokens,), Loss(titan_loss, labels))
     with pytest.raises(remat.BudgetError) as info:
         remat.optimize(
             model, tokens, loss_fn=titan_loss, target=labels, activation_budget_bytes=1,
-            time_limit_s=10,
+            time_limit_s=2,
         )  # fmt: skip
     least = info.value.least_peak_bytes
     assert least < eager * 0.7
     for budget in (least, (least + eager) // 2, eager):
         result = assert_trains_like_eager(
             model, (tokens,), {}, loss_fn=titan_loss, target=labels,
-            activation_budget_bytes=budget, time_limit_s=10,
+            activation_budget_bytes=budget, time_limit_s=2,
         )  # fmt: skip
         assert result.plan.step == STEP_WITH_LOSS
         for step in result.steps:
