@@ -127,9 +127,9 @@ def verify(
     autocast = AUTOCAST[precision]
     ref, work = copy.deepcopy(model), copy.deepcopy(model)
     loss = Loss.of(loss_fn, target)
-    if loss is not None:
-        optimize_kwargs = {**optimize_kwargs, "loss_fn": loss_fn, "target": target}
-    planned = runner.plan(work, args, example_kwargs=kwargs, **optimize_kwargs)
+    planned = runner.plan(
+        work, args, example_kwargs=kwargs, loss_fn=loss_fn, target=target, **optimize_kwargs
+    )
     fast, plan = planned.module, planned.plan
     # The user's own forward runs under the reference's autocast; remat's module carries the
     # casts in its graphs.

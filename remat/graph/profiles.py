@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -73,12 +73,8 @@ CPU_SAC_DISPATCH = DispatchCosts(
 )
 """SAC's per-op cost on the ``cpu`` profile's reference core, pinned (as :data:`CPU` is)."""
 
-GPU_SAC_DISPATCH = DispatchCosts(
-    forward_saved_s=CPU_SAC_DISPATCH.forward_saved_s,
-    forward_recomputed_s=CPU_SAC_DISPATCH.forward_recomputed_s,
-    replay_hit_s=CPU_SAC_DISPATCH.replay_hit_s,
-    replay_recomputed_s=CPU_SAC_DISPATCH.replay_recomputed_s,
-    region_s=CPU_SAC_DISPATCH.region_s,
+GPU_SAC_DISPATCH = replace(
+    CPU_SAC_DISPATCH,
     overlapped=True,
     source=(
         "estimate, not measured on a GPU: the policy is host-side Python, so the reference "

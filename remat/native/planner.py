@@ -797,7 +797,7 @@ def _choice_key(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -
 
 
 def _policies(options_of: Sequence[Sequence[Option]], choice: Sequence[int]) -> list[Policy]:
-    return [options_of[k][min(o, len(options_of[k]) - 1)].policy for k, o in enumerate(choice)]
+    return [options_of[k][o].policy for k, o in enumerate(_choice_key(options_of, choice))]
 
 
 def _trace_uniform(

@@ -200,6 +200,13 @@ class _Reads:
     """The regions' forward values that must never re-run (kept by every plan)."""
     policy: Mapping[str, tuple[str, ...]]
     """Region -> its forward values the policy sees."""
+    span: Mapping[str, tuple[str, ...]]
+    """Region -> the forward values its replay runs through (early stop: to the last one its
+    backward reads), kept or not."""
+    span_policy: Mapping[str, tuple[str, ...]]
+    """Region -> the values of its span the policy sees (the replay's calls)."""
+    in_span: frozenset[str]
+    """Every value of some region's span."""
     device_s: Mapping[str, float]
     """Region -> the op time of its policy-called forward values and of its backward (what
     an overlapped dispatch hides behind, with the replay's)."""
@@ -209,6 +216,11 @@ class _Reads:
 def _reads(problem: Problem) -> _Reads:
     by_name = problem.by_name
     regions = _regions(problem)
+    span = {}
+    for r, names in regions.values.items():
+        needed = regions.needed.get(r, frozenset())
+        stop = max((k for k, n in enumerate(names) if n in needed), default=-1)
+        span[r] = names[: stop + 1]
     return _Reads(
         forward=tuple(v.name for v in problem.values if v.role is Role.FORWARD),
         backward=tuple((v.name, v.region) for v in problem.values if v.role is Role.BACKWARD),
@@ -225,6 +237,9 @@ def _reads(problem: Problem) -> _Reads:
         policy={
             r: tuple(n for n in names if by_name[n].policy) for r, names in regions.values.items()
         },
+        span=span,
+        span_policy={r: tuple(n for n in s if by_name[n].policy) for r, s in span.items()},
+        in_span=frozenset(n for s in span.values() for n in s),
         device_s={
             r: sum(by_name[n].time_s for n in names if by_name[n].policy)
             + sum(by_name[n].time_s for n in regions.backward.get(r, ()))
@@ -299,10 +314,10 @@ def _sac_order(
     regions = _regions(problem)
     eager = {r for r, m in regions.markers.items() if m in keep}
     replay: dict[str, list[str]] = {}
-    spans = {r: _replay_span(problem, r) for r in regions.values if r not in eager}
-    for r, span in spans.items():
-        replay[r] = [n for n in span if n not in keep and n not in skip]
     reads = _reads(problem)
+    checkpointed = [r for r in regions.values if r not in eager]
+    for r in checkpointed:
+        replay[r] = [n for n in reads.span[r] if n not in keep and n not in skip]
     backward: list[str] = []
     recomputed: list[str] = []
     starts: dict[str, int] = {}
@@ -358,7 +373,7 @@ def _sac_order(
         )
     )
     saved_out = tuple(sorted((held & set(last)) | set(held_until), key=index.__getitem__))
-    dispatch = sum(_region_dispatch(problem, r, keep, span) for r, span in spans.items())
+    dispatch = sum(_region_dispatch(problem, r, keep) for r in checkpointed)
     schedule = Schedule(
         forward=reads.forward,
         saved=saved_out,
@@ -371,26 +386,14 @@ def _sac_order(
     return schedule, conflicts
 
 
-def _replay_span(problem: Problem, region: str) -> tuple[str, ...]:
-    """The region's forward values its replay runs through (early stop: to the last one its
-    backward reads), kept or not."""
-    regions = _regions(problem)
-    names = regions.values[region]
-    needed = regions.needed.get(region, frozenset())
-    stop = max((k for k, n in enumerate(names) if n in needed), default=-1)
-    return names[: stop + 1]
-
-
-def _region_dispatch(
-    problem: Problem, region: str, keep: AbstractSet[str], span: Iterable[str]
-) -> float:
+def _region_dispatch(problem: Problem, region: str, keep: AbstractSet[str]) -> float:
     """What the checkpointed ``region``'s policy calls add to the step
-    (:class:`remat.problem.DispatchCosts`), ``keep`` kept and ``span`` replayed."""
+    (:class:`remat.problem.DispatchCosts`), ``keep`` kept (its replay runs its span)."""
     costs = problem.dispatch
     by_name = problem.by_name
     reads = _reads(problem)
     names = reads.policy[region]
-    replayed = [n for n in span if by_name[n].policy]
+    replayed = reads.span_policy[region]
     kept = sum(n in keep for n in names)
     hits = sum(n in keep for n in replayed)
     host = costs.host_s(kept, len(names) - kept, hits, len(replayed) - hits, 1)
@@ -401,7 +404,7 @@ def _region_dispatch(
     return costs.exposed_s(host, device)
 
 
-def _keep_delta(problem: Problem, name: str, span: AbstractSet[str]) -> float:
+def _keep_delta(problem: Problem, name: str) -> float:
     """What keeping the policy-called op ``name`` adds to its region's dispatch, against
     recomputing it (a linear term for the MILP: on a profile whose dispatch overlaps the
     device's kernels, 0, and the traced plan counts what is exposed)."""
@@ -409,7 +412,7 @@ def _keep_delta(problem: Problem, name: str, span: AbstractSet[str]) -> float:
     if costs.overlapped or not problem.by_name[name].policy:
         return 0.0
     delta = costs.forward_saved_s - costs.forward_recomputed_s
-    if name in span:
+    if name in _reads(problem).in_span:
         delta += costs.replay_hit_s - costs.replay_recomputed_s
     return delta
 
@@ -581,7 +584,6 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
     for n in nothing.recomputed:
         replays[by_name[n].region].append(n)
     at = {(s.phase, s.name, s.recompute): i for i, s in enumerate(sim.timeline)}
-    spans = {r: frozenset(_replay_span(problem, r)) for r in regions.values}
     out: list[Lifetime] = []
     for name in sorted(_sac_candidates(problem) - forced, key=problem.index.__getitem__):
         v = by_name[name]
@@ -589,7 +591,7 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
             continue  # no backward: nothing to keep it for
         if v.op == NO_CHECKPOINT:
             replay_time = sum(by_name[n].time_s for n in regions.values[v.region] if n in again)
-            replay_time += _region_dispatch(problem, v.region, forced, spans[v.region])
+            replay_time += _region_dispatch(problem, v.region, forced)
             difference = _eager_difference(
                 problem, name, nothing, sim.timeline, moment, replays.get(v.region, ())
             )
@@ -609,7 +611,7 @@ def _sac_lifetimes(problem: Problem) -> Lifetimes:
             end = max([b for _, b in live] + [released])
             pieces += _gaps(live, start, end, problem.storage_bytes[s])
         time_s = v.time_s if name in again else 0.0
-        time_s -= _keep_delta(problem, name, spans[v.region])
+        time_s -= _keep_delta(problem, name)
         out.append(Lifetime(name, time_s, tuple(pieces), v.region))
     base = tuple(step.allocated_bytes for step in sim.timeline)
     return Lifetimes(base, tuple(out), forced)
