@@ -17,11 +17,11 @@ from remat.graph.capture import CaptureError
 from remat.graph.profiles import DeviceProfile
 from remat.meter import LiveMemoryMeter, measure_step
 from remat.native.api import apply, save_plan, unapply
+from remat.native.events import TraceError
 from remat.native.pipeline_plan import PipelinePlan, plan_pipeline
 from remat.native.pipelining import Pipeline, PipelineError
 from remat.native.regions import BlockError
 from remat.native.state import plan_of
-from remat.native.trace import TraceError
 from remat.pipeline import Analysis, BudgetError, analyze
 from remat.pipeline_fit import fit_pipeline
 from remat.planfile import PlanFileError

@@ -30,13 +30,13 @@ from remat.meter import Loss
 from remat.native.api import NATIVE_SOLVERS, apply, kv_cache_off
 from remat.native.api import analyze as native_analyze
 from remat.native.api import save_plan as native_save_plan
+from remat.native.events import StepTrace
 from remat.native.planner import NATIVE_PLANS
 from remat.native.planner import fixed as native_fixed
 from remat.native.planner import solve as native_solve
 from remat.native.regions import find_blocks
 from remat.native.report import explain_applied
 from remat.native.state import applied
-from remat.native.trace import StepTrace
 from remat.pipeline import analyze
 from remat.report import explain_plan
 from remat.request import Request, as_args, resolve_profile

@@ -179,12 +179,12 @@ def test_floor_time_reaches_the_solvers() -> None:
     """``--floor-time`` (plan, compare) becomes the chain solver's ``floor_time_s``."""
     import argparse
 
-    from remat.cli import _request
+    from remat.cli.common import request_of
 
     args = argparse.Namespace(budget_gb=1.0, optimizer="adamw", precision="fp32", zero_stage=0,
                               world_size=1, reserve=0.05, solver=None, device="h100",
                               time_limit=5.0, floor_time=7.0)  # fmt: skip
-    assert _request(args, print).solver_config().floor_time_s == 7.0
+    assert request_of(args, print).solver_config().floor_time_s == 7.0
     with pytest.raises(SystemExit):
         main(["fit", "gpt2", "--floor-time", "7"])  # fit plans no floor: not an option there
 

@@ -90,7 +90,7 @@ def test_fit_prints_json(
 ) -> None:
     """The command line over the report the tests above check (one fit fewer in CI)."""
     _, _, report = _report()
-    monkeypatch.setattr("remat.cli.fit", lambda *a, **k: report)
+    monkeypatch.setattr("remat.cli.fit.fit", lambda *a, **k: report)
     assert main(["fit", "tests.zoo:tiny_llama_factory", "--budget-gb", "0.02", "--device",
                  "h100", "--json"]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)

@@ -11,7 +11,8 @@ import torch
 
 import remat
 from remat import cli
-from remat.cli import _next_token_loss, main
+from remat.cli import main
+from remat.cli.common import next_token_loss
 from remat.graph.dynamic import Dims, inputs_at
 from remat.native.split import causal_lm_stages, stage_example
 from remat.pipeline_fit import PipelineFitReport, fit_pipeline
@@ -34,7 +35,7 @@ def _stage_peaks(plan: str, b: int, s: int) -> list[int]:
     (tokens,), _ = inputs_at((built.args[0][:2],), {}, Dims(2, 64), b, s)
     peaks = []
     for r, stage in enumerate(stages):
-        pipe = remat.Pipeline("1F1B", r, 2, 2, loss_fn=_next_token_loss)
+        pipe = remat.Pipeline("1F1B", r, 2, 2, loss_fn=next_token_loss)
         remat.apply(
             stage,
             stage_example(stage, tokens, torch.float32),

@@ -13,7 +13,7 @@ set is a plan's saved set.
 
 from __future__ import annotations
 
-from remat.native.trace import StepTrace
+from remat.native.events import StepTrace
 from remat.problem import DispatchCosts, Problem, Role, Value
 from remat.solver.executor import NO_CHECKPOINT
 

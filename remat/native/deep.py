@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.native.dynamic import Sample, moments
-from remat.native.trace import OpEvent, StepTrace
+from remat.native.events import OpEvent, StepTrace
 from remat.solver.chain import ChainCosts, ChainCostsBuilder
 from remat.solver.formula import FitError
 

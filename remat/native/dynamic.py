@@ -25,8 +25,8 @@ import torch
 
 from remat.graph.dynamic import Dims, RangeShapes, range_shapes
 from remat.graph.profiles import DeviceProfile
+from remat.native.events import OpEvent, StepTrace
 from remat.native.regions import Policy
-from remat.native.trace import OpEvent, StepTrace
 from remat.native.workers import Mapped, mapped
 from remat.peak_formula import RangeFormula
 from remat.solver.formula import FitError, Fitter, Monomial, Poly, StepPolynomials

@@ -23,8 +23,8 @@ from torch import nn
 
 from remat import _torch_compat as tc
 from remat.native.deep import WIDE, deep_costs, deep_sample
+from remat.native.events import StepTrace
 from remat.native.regions import STACKS
-from remat.native.trace import StepTrace
 from remat.native.workers import Mapped, mapped
 from remat.solver.chain import ChainCosts
 from remat.solver.formula import FitError

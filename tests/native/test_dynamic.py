@@ -195,7 +195,7 @@ def _check_cli_fit_and_compare(
         seen.update(kwargs)
         return report
 
-    monkeypatch.setattr("remat.cli.fit", fake_fit)
+    monkeypatch.setattr("remat.cli.fit.fit", fake_fit)
     factory = "tests.zoo:tiny_llama_factory"
     assert main(["fit", factory, "--budget-gb", "0.02", "--executor", "sac"]) == 0
     assert seen["executor"] is SAC and seen["shallow"] is None

@@ -12,8 +12,8 @@ import torch
 import remat
 from remat.budget import Options
 from remat.cli import main
+from remat.native.events import TraceError
 from remat.native.parallel import llama_tp_plan, tensor_parallel
-from remat.native.trace import TraceError
 from remat.request import model_static_memory
 from tests.zoo import ZOO, llama
 
@@ -70,7 +70,7 @@ def test_fit_answers_for_rank_0_of_a_tensor_parallel_run(
     shallow copy the formula traces are parallelized on a fake world of their own (a fit
     of this tiny Llama takes 40 s, so the fit itself is stubbed here; its native formula on
     a parallel model is the one ``remat plan --tp-size`` traces)."""
-    import remat.cli as cli
+    import remat.cli.fit as cli_fit
     from remat._torch_compat import fake_world_of, is_dtensor
 
     seen: dict[str, object] = {}
@@ -79,7 +79,7 @@ def test_fit_answers_for_rank_0_of_a_tensor_parallel_run(
         seen["model"], seen["copies"] = model, copies
         raise ValueError("stubbed")
 
-    monkeypatch.setattr(cli, "fit", fit)
+    monkeypatch.setattr(cli_fit, "fit", fit)
     args = ["fit", *LLAMA, "--executor", "sac", "--tp-size", "2", "--sequence-parallel"]
     assert main(args) == 1 and "stubbed" in capsys.readouterr().err
     model = seen["model"]

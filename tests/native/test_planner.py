@@ -21,8 +21,8 @@ from remat.models import TinyGPT
 from remat.native import api as native_api
 from remat.native import planner
 from remat.native.api import analyze
+from remat.native.events import StepTrace
 from remat.native.regions import find_blocks
-from remat.native.trace import StepTrace
 from remat.request import Request
 from remat.solver import clock
 from remat.solver.chain import chain_time

@@ -1,0 +1,195 @@
+"""``remat compare``: every solver side by side at one device budget or over a sweep,
+as a table, a CSV and a Pareto plot."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+
+from rich.markup import escape
+from rich.table import Table
+
+from remat.budget import (
+    GB,
+    Options,
+    StaticMemoryError,
+    device_budget,
+)
+from remat.cli.common import (
+    executor_of,
+    floor_option,
+    gb_text,
+    make_console,
+    model_options,
+)
+from remat.meter import Loss
+from remat.native.events import TraceError
+from remat.plots import pareto_plot
+from remat.presets import build, parse_settings
+from remat.request import Request, model_static_memory
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Proof
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    """``remat compare MODEL``: every solver at one device budget, or over a sweep of them."""
+    console = make_console(120)
+    try:
+        built = build(args.model, seq=args.seq, batch=args.batch, settings=parse_settings(args.set))
+        options = Options(
+            optimizer=args.optimizer,
+            precision=args.precision,
+            zero_stage=args.zero_stage,
+            world_size=args.world_size,
+        )
+    except ValueError as e:
+        console.print(f"[red]remat compare: {e}")
+        return 2
+    config = SolverConfig(time_limit_s=args.time_limit, floor_time_s=args.floor_time)
+    static = model_static_memory(built.model, options)
+    try:
+        executor = executor_of(args, built)
+    except ValueError as e:
+        console.print(f"[red]remat compare: {e}")
+        return 2
+    console.print(f"executor: {executor}")
+    with console.status("analysing..."):
+        try:
+            side = executor.compare(
+                built.model,
+                built.args,
+                request=Request.of(
+                    optimizer=args.optimizer, precision=args.precision,
+                    zero_stage=args.zero_stage, world_size=args.world_size,
+                    device_profile=args.device,
+                ),
+                example_kwargs=built.kwargs,
+                loss=Loss.of(built.loss_fn, built.target),
+            )  # fmt: skip
+        except (ValueError, TraceError) as e:
+            console.print(f"[red]remat compare: {escape(str(e))}")
+            return 1
+    if args.sweep:
+        least, keep_all = side.peak_range(config)
+        # Device totals whose step budgets run from the least peak to keep_all's.
+        budgets = [
+            math.ceil((least + (keep_all - least) * k // max(1, args.sweep - 1) + static.total)
+                      / (1 - args.reserve)) + 1
+            for k in range(args.sweep)
+        ]  # fmt: skip
+    else:
+        budgets = [int(args.budget_gb * GB)]
+    rows: list[dict[str, object]] = []
+    for total in budgets:
+        try:
+            d = device_budget(total, static, options, args.reserve)
+        except StaticMemoryError as e:
+            console.print(f"[red]remat compare: {e}")
+            return 1
+        for name in side.solvers:
+            t0 = time.perf_counter()
+            try:
+                with console.status(f"{gb_text(total)}: {name}..."):
+                    peak, recompute_pct, bound_pct, proof = side.solve(
+                        name, d.step_budget_bytes, config
+                    )
+            except (BudgetError, ValueError, RuntimeError) as e:
+                rows.append({"budget_bytes": total, "solver": name, "error": str(e)[:200]})
+                continue
+            rows.append(
+                {
+                    "budget_bytes": total,
+                    "solver": name,
+                    "step_peak_bytes": peak,
+                    "total_bytes": d.total_for(peak),
+                    "recompute_pct": recompute_pct,
+                    "bound_pct": bound_pct,
+                    "proof": proof.value,
+                    "solve_s": time.perf_counter() - t0,
+                    "error": "",
+                }
+            )
+    console.print(
+        _compare_table(rows, f"{built.description}: every solver (profile {args.device})")
+    )
+    if args.csv:
+        fields = ["budget_bytes", "solver", "step_peak_bytes", "total_bytes", "recompute_pct",
+                  "bound_pct", "proof", "solve_s", "error"]  # fmt: skip
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(rows)
+        console.print(f"wrote {args.csv}")
+    if args.plot:
+        points: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if not r["error"]:
+                points.setdefault(str(r["solver"]), []).append(
+                    (int(r["step_peak_bytes"]), float(r["recompute_pct"]))  # type: ignore[call-overload, arg-type]
+                )
+        console.print(f"wrote {pareto_plot(points, args.plot)} (overhead vs step peak per solver)")
+    return 0
+
+
+def _compare_table(rows: list[dict[str, object]], title: str) -> Table:
+    """``remat compare``'s rows, each plan's proof read from its data: ``opt`` (proven least,
+    or at the best floor any plan proved at that budget), ``+x%`` above that floor, or what
+    kind of plan it is."""
+    floors: dict[object, float] = {}
+    for r in rows:
+        if r["error"]:
+            continue
+        found = [r["bound_pct"], r["recompute_pct"] if r["proof"] == Proof.OPTIMAL.value else None]
+        for f in found:
+            if isinstance(f, float):
+                floors[r["budget_bytes"]] = max(f, floors.get(r["budget_bytes"], 0.0))
+    table = Table(title=title)
+    for col in ("budget", "solver", "step peak", "total", "recompute %", "floor %", "proof",
+                "solve s"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("solver", "proof") else "right")
+    for r in rows:
+        budget_text = gb_text(float(r["budget_bytes"]))  # type: ignore[arg-type]
+        if r["error"]:
+            table.add_row(budget_text, str(r["solver"]), "[dim]does not fit", "", "", "", "", "")
+            continue
+        bound, pct = r["bound_pct"], float(r["recompute_pct"])  # type: ignore[arg-type]
+        floor = floors.get(r["budget_bytes"])
+        if r["proof"] == Proof.OPTIMAL.value or (floor is not None and pct <= floor * (1 + 1e-9)):
+            proof = "optimal"
+        elif floor:
+            proof = f"within {pct / floor - 1:.1%} of the floor"
+        else:
+            proof = f"{Proof(r['proof']).value.replace('_', ' ')}, no floor"
+        table.add_row(
+            budget_text,
+            str(r["solver"]),
+            gb_text(float(r["step_peak_bytes"])),  # type: ignore[arg-type]
+            gb_text(float(r["total_bytes"])),  # type: ignore[arg-type]
+            f"{pct:.2f}",
+            "-" if bound is None else f"{bound:.2f}",
+            proof,
+            f"{r['solve_s']:.1f}",
+        )
+    return table
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``remat compare`` to the command line."""
+    c = sub.add_parser(
+        "compare",
+        help="every solver side by side at one device budget or over a sweep",
+        description="Plan MODEL (as remat plan) with every solver; print and optionally "
+        "write a CSV.",
+    )
+    c.add_argument("model", help="preset name, hf:MODEL_TYPE or pkg.module:factory")
+    c.add_argument("--budget-gb", type=float, default=80.0, help="device memory (1 GB = 1e9 B)")
+    c.add_argument("--sweep", type=int, default=0, metavar="N",
+                   help="instead: N budgets from the least feasible to keep-all's")  # fmt: skip
+    model_options(c)
+    floor_option(c)
+    c.add_argument("--csv", default=None, metavar="OUT.csv")
+    c.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="Pareto plot: recompute %% vs step peak, one curve per solver")  # fmt: skip
+    c.set_defaults(func=compare_command)
