@@ -7,7 +7,7 @@ The order matters, as in torchtitan: (1) ``remat.apply`` plans a selective-check
 policy per block and wraps the blocks in place; (2) ``fully_shard`` each block, then the
 root; (3) ``torch.compile``. Each rank plans on a FakeTensor copy of the model (no memory);
 gradients are bitwise those of the same FSDP2 run without remat (the recomputation replays
-dropout's random state), which ``tests/native/test_distributed.py`` checks.
+dropout's random state), which ``tests/executors/sac/test_distributed.py`` checks.
 """
 
 from __future__ import annotations

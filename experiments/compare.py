@@ -7,7 +7,7 @@
     python experiments/compare.py --models gpt2_small,unet --budgets 4 --reps 5
 
 For each model (built here from small random configs, fp32, CPU, dropout on where the model
-has it), one training step as :func:`remat.meter.training_step` defines it:
+has it), one training step as :func:`remat.measure.meter.training_step` defines it:
 
 * **peers** (:mod:`peers`): eager; PyTorch's memory-budget partitioner (``torch.compile``,
   ``aot_eager``) at several ``activation_memory_budget`` fractions; Hugging Face's
@@ -57,9 +57,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 
 import remat  # noqa: E402
+from remat.executors.graph.module import Compiled, RematModule, signature  # noqa: E402
+from remat.executors.graph.run import build_executor  # noqa: E402
 from remat.models import ResNet, TinyGPT, UNet  # noqa: E402
-from remat.rewrite.executor import build_executor  # noqa: E402
-from remat.rewrite.module import Compiled, RematModule, signature  # noqa: E402
 from remat.solver.config import BudgetError, SolverConfig  # noqa: E402
 from remat.solver.plan import Plan  # noqa: E402
 from remat.solver.registry import least_peak, solve  # noqa: E402

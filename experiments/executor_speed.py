@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import remat  # noqa: E402
 from experiments.compare import _hf  # noqa: E402
 from remat._torch_compat import tensor_leaves  # noqa: E402
-from remat.meter import training_step  # noqa: E402
+from remat.measure.meter import training_step  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 KWARGS = {"use_cache": False}

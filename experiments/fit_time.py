@@ -5,14 +5,14 @@ it runs and with each of its speed-ups turned off, run after run on this machine
 
 The command: Llama-2-70B (80 blocks) on FakeTensors, ZeRO-3 over 64 ranks, bf16-mixed, batch
 1 at seq 4096, an 80 GB budget, the ``sac`` executor; its shapes traced on copies with 4 and 5
-blocks (:mod:`remat.native.deep`) and checked against the 80-block model. Configurations, each
+blocks (:mod:`remat.fit.deep`) and checked against the 80-block model. Configurations, each
 ``remat fit`` in a fresh process (``python -m remat.cli``'s whole wall time, startup and
 imports included), one after the other:
 
 - ``as it runs``: the default (one forked worker per core);
-- ``copies with 5 and 6 blocks``: the wider edges (:data:`remat.native.deep.WIDE`), as the
+- ``copies with 5 and 6 blocks``: the wider edges (:data:`remat.fit.deep.WIDE`), as the
   fit took them before it tried the narrower ones;
-- ``larger copy traced everywhere``: :func:`remat.native.deep.increments` returns None, so
+- ``larger copy traced everywhere``: :func:`remat.fit.deep.increments` returns None, so
   the larger copy is traced at every shape rather than at two per range and synthesized
   from the smaller copy's at the others;
 - ``one process``: ``--workers 1`` (the model's analysis and checks then run before the
@@ -38,8 +38,8 @@ from experiments.rows import save, show  # noqa: E402
 
 COMMAND = ["fit", "llama-70b", "--budget-gb", "80", "--precision", "bf16-mixed",
            "--zero-stage", "3", "--world-size", "64", "--seq", "4096", "--batch", "1"]  # fmt: skip
-TRACED_EVERYWHERE = "import remat.native.formula as f; f.increments = lambda anchors: None; "
-WIDER = "import remat.native.formula as f; f.EDGES = f.WIDE; "
+TRACED_EVERYWHERE = "import remat.fit.sac_formula as f; f.increments = lambda anchors: None; "
+WIDER = "import remat.fit.sac_formula as f; f.EDGES = f.WIDE; "
 CONFIGS = {
     "as it runs": ("", []),
     "copies with 5 and 6 blocks": (WIDER, []),

@@ -5,7 +5,7 @@
 
 For each model (the comparison's, :mod:`compare`: GPT, Llama, ResNet, U-Net, and the test
 zoo's grouped-query and MoE decoders, ``zoo:qwen2_gqa_loss`` and ``zoo:mixtral_moe``, by
-default; any ``zoo:NAME`` of ``tests/zoo.py``; fp32, dropout on), one training step as :func:`remat.meter.training_step` defines it, on CUDA when
+default; any ``zoo:NAME`` of ``tests/zoo.py``; fp32, dropout on), one training step as :func:`remat.measure.meter.training_step` defines it, on CUDA when
 there is one, else on the CPU:
 
 * eager, and the peers a user would pick instead: ``torch.utils.checkpoint`` around every block,
@@ -47,7 +47,7 @@ import compare  # noqa: E402
 import peers  # noqa: E402
 
 import remat  # noqa: E402
-from remat.meter import LiveMemoryMeter, measure_step, training_step  # noqa: E402
+from remat.measure.meter import LiveMemoryMeter, measure_step, training_step  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_MODELS = ("gpt", "llama", "resnet", "unet", "zoo:qwen2_gqa_loss", "zoo:mixtral_moe")

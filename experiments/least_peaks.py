@@ -4,8 +4,8 @@ remat's whole-graph executor, which can recompute anywhere.
 
 Native: the least traced peak among its fixed plans and the chain DP's uniform menu options
 (every region recomputed is usually the least), on the blocks and on the blocks' sub-modules
-(:func:`remat.native.regions.split_blocks`, which ``auto`` also plans on), each with and
-without the modules outside the blocks (:func:`remat.native.regions.outside_blocks`). Graph: the least simulated peak of the
+(:func:`remat.executors.sac.regions.split_blocks`, which ``auto`` also plans on), each with and
+without the modules outside the blocks (:func:`remat.executors.sac.regions.outside_blocks`). Graph: the least simulated peak of the
 heuristics the budget search uses (:func:`remat.solver.registry.least_peak`). Both at the
 allocator, for one fp32 training step on the CPU profile. Also where the native least peak
 falls (the op and whether it is inside a block). Writes ``experiments/results/least_peaks.csv``.
@@ -23,12 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.rows import save, show  # noqa: E402
-from remat.graph.profiles import get_profile  # noqa: E402
-from remat.native.api import analyze as native_analyze  # noqa: E402
-from remat.native.api import kv_cache_off  # noqa: E402
-from remat.native.planner import NATIVE_PLANS, fixed_policies, uniform_plans  # noqa: E402
-from remat.native.regions import find_blocks, outside_blocks, split_blocks  # noqa: E402
-from remat.pipeline import analyze  # noqa: E402
+from remat.executors.graph.analyze import analyze  # noqa: E402
+from remat.executors.sac.apply import analyze as native_analyze  # noqa: E402
+from remat.executors.sac.apply import kv_cache_off  # noqa: E402
+from remat.executors.sac.planner import NATIVE_PLANS, fixed_policies, uniform_plans  # noqa: E402
+from remat.executors.sac.regions import find_blocks, outside_blocks, split_blocks  # noqa: E402
+from remat.measure.profiles import get_profile  # noqa: E402
 from remat.request import Request  # noqa: E402
 from remat.solver.registry import HEURISTICS, least_peak  # noqa: E402
 from tests.zoo import NATIVE_ZOO  # noqa: E402

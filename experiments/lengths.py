@@ -9,7 +9,7 @@
 The same model, budget, solver and 20 random lengths for the three. Per strategy: solves,
 planning seconds (``optimize`` plus every compile during the run), the largest measured
 allocator peak of the run against the budget, the predicted peak against the measured one at
-every length (allocator accounting, ``remat.meter.measure_step``), and the recompute the plans
+every length (allocator accounting, ``remat.measure.meter.measure_step``), and the recompute the plans
 cost summed over the run (the plans' own time estimates). Steps are checked bitwise against
 the eager model at every length.
 
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 import remat
-from remat.meter import measure_step, training_step
-from remat.pipeline import analyze
+from remat.executors.graph.analyze import analyze
+from remat.measure.meter import measure_step, training_step
 from remat.solver.registry import solve
 
 OUT = Path(__file__).parent / "results" / "lengths.csv"

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import remat  # noqa: E402
 from remat import _torch_compat as tc  # noqa: E402
-from remat.meter import allocator_peak_bytes, measure_step, training_step  # noqa: E402
+from remat.measure.meter import allocator_peak_bytes, measure_step, training_step  # noqa: E402
 from remat.models import TinyGPT  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Benchmark (not a test): ``remat.apply``'s planning of a 7B Llama, as it runs (the exact
 MILP first) and with its chain DP alone, whose uniform plans are costed on shallow copies
-(:mod:`remat.native.shallow`) or traced on the whole model.
+(:mod:`remat.executors.sac.shallow`) or traced on the whole model.
 
     python experiments/native_scale.py [--budgets 24 40] [--time-limit 60]
 
@@ -36,8 +36,8 @@ from experiments.rows import save, show  # noqa: E402
 
 def _run(budget_gb: float, mode: str, copies: bool, time_limit: float) -> dict[str, Any]:
     import remat
-    from remat.native import planner, shallow
-    from remat.native.state import applied
+    from remat.executors.sac import planner, shallow
+    from remat.executors.sac.state import applied
     from remat.presets import build
 
     if not copies:  # no copies: the uniform plans and the outside modules on the model

@@ -2,7 +2,7 @@
 
 Small, on CPU (no processes: each rank is traced through PyTorch's schedule on a fake process
 group, as ``remat.apply(..., pipeline=...)`` does; the 2- and 4-rank checks of these
-predictions are ``tests/native/test_pipeline.py`` and ``test_tensor_parallel.py``): a GPT
+predictions are ``tests/parallel/test_pipelining.py`` and ``test_tensor_parallel.py``): a GPT
 decoder of 8 blocks (``tests.zoo.GPTStage``, dropout on), 8 and 16 microbatches, one budget
 per rank (the eager peaks of ranks 1 and 2), under
 
@@ -48,15 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from remat.graph.profiles import DeviceProfile, get_profile  # noqa: E402
-from remat.native import planner  # noqa: E402
-from remat.native.api import Stage  # noqa: E402
-from remat.native.api import analyze as native_analyze  # noqa: E402
-from remat.native.parallel import tensor_parallel  # noqa: E402
-from remat.native.pipelining import Pipeline  # noqa: E402
-from remat.native.regions import Policy  # noqa: E402
-from remat.native.split import causal_lm_stages, stage_example  # noqa: E402
-from remat.native.trace import FSDP_PARAM_DTYPES, StepTrace  # noqa: E402
+from remat.executors.sac import planner  # noqa: E402
+from remat.executors.sac.apply import Stage  # noqa: E402
+from remat.executors.sac.apply import analyze as native_analyze  # noqa: E402
+from remat.executors.sac.regions import Policy  # noqa: E402
+from remat.executors.sac.trace import FSDP_PARAM_DTYPES, StepTrace  # noqa: E402
+from remat.measure.profiles import DeviceProfile, get_profile  # noqa: E402
+from remat.parallel.pipelining import Pipeline  # noqa: E402
+from remat.parallel.split import causal_lm_stages, stage_example  # noqa: E402
+from remat.parallel.tensor import tensor_parallel  # noqa: E402
 from remat.presets import build  # noqa: E402
 from remat.request import Request  # noqa: E402
 from remat.solver.config import BudgetError, SolverConfig  # noqa: E402

@@ -1,11 +1,11 @@
 """What a user would run instead of remat, measured on one CPU training step.
 
 Every peer runs on a deep copy of the model (same parameters) and one training step as
-:func:`remat.meter.training_step` defines it (forward, backward with dense random output
+:func:`remat.measure.meter.training_step` defines it (forward, backward with dense random output
 gradients from their own generator, global RNG seeded the same), so its outputs and gradients
 can be compared bitwise with eager's and its peak with remat's. A :class:`Row` reports the
-peak of live tensor storages (:class:`remat.meter.LiveMemoryMeter`), the allocator-level peak
-(:func:`remat.meter.allocator_peak_bytes`, which also sees kernel scratch memory), the FLOPs it
+peak of live tensor storages (:class:`remat.measure.meter.LiveMemoryMeter`), the allocator-level peak
+(:func:`remat.measure.meter.allocator_peak_bytes`, which also sees kernel scratch memory), the FLOPs it
 recomputes, and whether outputs and gradients equal eager's.
 
 Peers:
@@ -19,7 +19,7 @@ Peers:
 Pitfalls found while building this: the partitioner's budget is not part
 of Dynamo's guards, so Dynamo is reset for every budget; compilation (forward and, lazily, the
 backward) happens in a warm-up step outside the meter; the meter itself must tell Dynamo to
-ignore it (:meth:`remat.meter.LiveMemoryMeter.ignore_compile_internals`), or the "compiled"
+ignore it (:meth:`remat.measure.meter.LiveMemoryMeter.ignore_compile_internals`), or the "compiled"
 step silently runs eagerly.
 """
 
@@ -40,8 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat import _torch_compat as tc
-from remat.graph.costs import node_flops
-from remat.meter import LiveMemoryMeter, allocator_peak_bytes, training_step
+from remat.measure.costs import node_flops
+from remat.measure.meter import LiveMemoryMeter, allocator_peak_bytes, training_step
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ the blocks' sub-modules (what ``auto`` does), at three budgets between every blo
 and no checkpointing, on the zoo's decoders: each plan's traced recompute time (the CPU
 profile's roofline estimate, not a wall-clock measurement).
 
-The blocks-only run replaces :func:`remat.native.regions.split_blocks` with one that finds no
+The blocks-only run replaces :func:`remat.executors.sac.regions.split_blocks` with one that finds no
 sub-modules. Writes ``experiments/results/regions.csv``.
 
     .venv/bin/python experiments/regions.py
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import remat  # noqa: E402
-import remat.native.regions as regions  # noqa: E402
+import remat.executors.sac.regions as regions  # noqa: E402
 from tests.zoo import NATIVE_ZOO  # noqa: E402
 
 DECODERS = ("hf_gpt2", "hf_llama_gqa", "hf_bert", "hf_mixtral_moe")

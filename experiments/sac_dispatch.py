@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.rows import save, show  # noqa: E402
-from remat.native.regions import policy_contexts  # noqa: E402
+from remat.executors.sac.regions import policy_contexts  # noqa: E402
 
 Region = Callable[[torch.Tensor], torch.Tensor]
 

@@ -35,10 +35,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import remat  # noqa: E402
-from remat.meter import allocator_peak_bytes, measure_step, training_step  # noqa: E402
-from remat.pipeline import fixed_plan  # noqa: E402
-from remat.rewrite.executor import build_executor  # noqa: E402
-from remat.rewrite.module import Compiled, RematModule, signature  # noqa: E402
+from remat.executors.graph.analyze import fixed_plan  # noqa: E402
+from remat.executors.graph.module import Compiled, RematModule, signature  # noqa: E402
+from remat.executors.graph.run import build_executor  # noqa: E402
+from remat.measure.meter import allocator_peak_bytes, measure_step, training_step  # noqa: E402
 from remat.solver.fixed import FIXED_PLANS  # noqa: E402
 from remat.verify import compare  # noqa: E402
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import remat  # noqa: E402
 from experiments import peers  # noqa: E402
 from experiments.rows import save, show  # noqa: E402
-from remat.meter import Loss, training_step  # noqa: E402
+from remat.measure.meter import Loss, training_step  # noqa: E402
 from tests.zoo import NATIVE_ZOO  # noqa: E402
 
 APART = 1.10

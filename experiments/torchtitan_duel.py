@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import remat  # noqa: E402
 from experiments import peers  # noqa: E402
 from experiments.rows import save  # noqa: E402
-from remat.meter import Loss, measure_step  # noqa: E402
+from remat.measure.meter import Loss, measure_step  # noqa: E402
 
 TRITON_MODULE = "torchtitan.distributed.minimal_async_ep.kernels"
 

@@ -8,28 +8,31 @@ remat.apply(model, example_inputs, budget_gb=40)   # or: SAC policies on model's
 print(remat.plan_of(model).summary())              # then fully_shard / DDP, then compile
 """
 
+from remat import _aliases
 from remat._torch_compat import fake_mode
 from remat._version import __version__ as __version__
-from remat.api import optimize
 from remat.budget import DeviceBudgetError, StaticMemoryError
-from remat.formula import MemoryFormula, memory_formula
-from remat.graph.capture import CaptureError
-from remat.graph.profiles import DeviceProfile
-from remat.meter import LiveMemoryMeter, measure_step
-from remat.native.api import apply, save_plan, unapply
-from remat.native.events import TraceError
-from remat.native.pipeline_plan import PipelinePlan, plan_pipeline
-from remat.native.pipelining import Pipeline, PipelineError
-from remat.native.regions import BlockError
-from remat.native.state import plan_of
-from remat.pipeline import Analysis, BudgetError, analyze
-from remat.pipeline_fit import fit_pipeline
-from remat.planfile import PlanFileError
+from remat.executors.graph.analyze import Analysis, BudgetError, analyze
+from remat.executors.graph.capture import CaptureError
+from remat.executors.graph.module import RematModule
+from remat.executors.graph.optimize import optimize
+from remat.executors.sac.apply import apply, save_plan, unapply
+from remat.executors.sac.events import TraceError
+from remat.executors.sac.regions import BlockError
+from remat.executors.sac.state import plan_of
+from remat.fit.formula import MemoryFormula, memory_formula
+from remat.fit.pipeline import fit_pipeline
+from remat.measure.meter import LiveMemoryMeter, measure_step
+from remat.measure.profiles import DeviceProfile
+from remat.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from remat.parallel.pipelining import Pipeline, PipelineError
+from remat.plan.files import PlanFileError
+from remat.plan.report import explain
 from remat.problem import Problem
-from remat.report import explain
 from remat.request import Request
-from remat.rewrite.module import RematModule
 from remat.solver.plan import Plan
+
+_aliases.install()
 
 __all__ = [
     "Analysis",

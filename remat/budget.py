@@ -44,15 +44,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from remat.solver.config import BudgetError
 
+OptimizerName = Literal["adamw", "adam", "sgd", "none"]
+"""The optimizers whose state the static memory counts."""
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-fsdp"]
+"""How the step computes: fp32; under ``torch.autocast`` (``*-mixed``); or FSDP2's own mixed
+precision (``bf16-fsdp``)."""
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """fp32 state tensors per trainable parameter."""
 FSDP_MIXED = "bf16-fsdp"
 """FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): ZeRO-3 only."""
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", FSDP_MIXED)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_RESERVE = 0.05
 GB = 1e9
@@ -82,8 +87,8 @@ class StaticMemory:
 class Options:
     """How the model trains: what the static memory depends on."""
 
-    optimizer: str = "adamw"
-    precision: str = "fp32"
+    optimizer: OptimizerName | str = "adamw"
+    precision: Precision | str = "fp32"
     zero_stage: int = 0
     world_size: int = 1
 
@@ -265,7 +270,7 @@ def autocast_cache_hint(options: Options) -> str | None:
     """Why a ``sac`` plan under autocast and FSDP2 needs more than FSDP2's own mixed
     precision, and what needs less, or None where that does not apply. FSDP2 gathers each
     block's fp32 weights and autocast casts them at every use; remat turns autocast's cast
-    cache off inside its checkpointed regions (:mod:`remat.native.regions`), but outside
+    cache off inside its checkpointed regions (:mod:`remat.executors.sac.regions`), but outside
     them (blocks left without checkpoint, the embeddings, the head) the cache keeps every
     16-bit copy of a gathered weight until the forward ends (about 2 B per parameter: 13.5
     GB for Llama 2 7B with the cache on everywhere). FSDP2's own mixed precision gathers

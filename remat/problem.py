@@ -1,4 +1,5 @@
-"""The contract between the torch side (``remat.graph``) and the solvers (``remat.solver``).
+"""The contract between the torch side (``remat.executors.graph``) and the solvers
+(``remat.solver``).
 
 A :class:`Problem` is the joint forward+backward graph reduced to numbers: one :class:`Value` per
 graph node, in the graph's (topological) order, with the storages it references, what it
@@ -66,7 +67,7 @@ class Value:
     in each replay that reaches it): what :class:`DispatchCosts` counts."""
     scratch_bytes: int = 0
     """Bytes the op's kernel allocates and frees inside itself (internal copies, workspaces),
-    measured on the device (:mod:`remat.graph.scratch`): live only while the op runs, seen by
+    measured on the device (:mod:`remat.measure.scratch`): live only while the op runs, seen by
     the allocator, not by a live-storage meter."""
     region: str = ""
     """The checkpoint region a forward value runs in (``"sac"`` problems: the block's path),
@@ -74,7 +75,7 @@ class Value:
     pinned: bool = False
     """Computed once and never recomputed, though it draws nothing: the user's loss, which
     runs eagerly around remat's module (its autograd keeps what its backward reads), and the
-    module's outputs the loss reads (:mod:`remat.graph.loss`)."""
+    module's outputs the loss reads (:mod:`remat.executors.graph.loss`)."""
 
     @property
     def never_recomputed(self) -> bool:

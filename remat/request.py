@@ -29,13 +29,15 @@ from remat.budget import (
     GB,
     DeviceBudget,
     DeviceBudgetError,
+    OptimizerName,
     Options,
+    Precision,
     StaticMemory,
     device_budget,
     static_memory,
 )
-from remat.graph.profiles import DeviceProfile, auto_profile_name
-from remat.solver.config import BudgetError, SolverConfig
+from remat.measure.profiles import DeviceProfile, auto_profile_name
+from remat.solver.config import BudgetError, SolverConfig, SolverName
 from remat.solver.plan import Plan
 
 __all__ = [
@@ -71,7 +73,7 @@ class Request:
     plan: PlanSpec = None
     """A fixed plan, a plan file or a :class:`Plan`; exclusive with ``solver`` and
     ``activation_budget_bytes``."""
-    solver: str | None = None
+    solver: SolverName | str | None = None
     """A solver's name (``auto`` when None): see :mod:`remat.solver.registry`."""
     device_profile: str | DeviceProfile = "auto"
     """Cost model of recompute time; ``auto``: the device the parameters are on."""
@@ -91,7 +93,7 @@ class Request:
     progress: Callable[[str], None] | None = field(default=None, compare=False)
     """Called with a short status line as long solves advance."""
     workers: int | None = None
-    """Processes tracing at once (:mod:`remat.native.workers`) a native fit's steps, or the
+    """Processes tracing at once (:mod:`remat.fit.workers`) a native fit's steps, or the
     chain DP's uniform plans on a deep stack's shallow copies: None, one per core (up to 8)
     where the traces add up to 10 s or more (3 s for the copies, which trace while the MILP
     solves); 1, this process alone. The plan is the same."""
@@ -180,13 +182,13 @@ class RequestArgs(TypedDict, total=False):
     budget_gb: float | None
     budget_bytes: int | None
     activation_budget_bytes: int | None
-    optimizer: str
-    precision: str
+    optimizer: OptimizerName
+    precision: Precision
     zero_stage: int
     world_size: int
     reserve_fraction: float
     plan: PlanSpec
-    solver: str | None
+    solver: SolverName | None
     device_profile: str | DeviceProfile
     time_limit_s: float
     floor_time_s: float

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from remat.executors import GRAPH, SAC, Executor, executor_named
-from remat.graph.autocast import AUTOCAST
-from remat.meter import Loss, measure_step
+from remat.measure.autocast import AUTOCAST
+from remat.measure.meter import Loss, measure_step
 from remat.request import as_args as _as_args
 from remat.solver.plan import Plan
 
@@ -156,13 +156,13 @@ def verify(
         opt_fast.step()
         checks.append(
             StepCheck(
-                step,
-                plan.predicted_peak_bytes,
-                measured.allocator_peak_bytes or 0,
-                plan.predicted_tensor_peak_bytes,
-                measured.peak_bytes,
-                eager.peak_bytes,
-                tuple(bad),
+                step=step,
+                predicted_peak_bytes=plan.predicted_peak_bytes,
+                measured_peak_bytes=measured.allocator_peak_bytes or 0,
+                predicted_tensor_peak_bytes=plan.predicted_tensor_peak_bytes,
+                measured_tensor_peak_bytes=measured.peak_bytes,
+                eager_peak_bytes=eager.peak_bytes,
+                mismatches=tuple(bad),
             )
         )
     ref_params = dict(ref.named_parameters())

@@ -35,7 +35,7 @@ def assert_peak_close(predicted: int, measured: int, what: str) -> None:
 
 def gloo_late(predicted: int, measured: int, buffer: int | Sequence[int], more: int = 0) -> bool:
     """A peak measured under gloo's tensor-parallel collectives, as the prediction counts
-    them (``tests/native/test_tensor_parallel.py``'s docstring): the predicted peak, or
+    them (``tests/parallel/test_tensor_ranks.py``'s docstring): the predicted peak, or
     one counted collective output ``buffer`` below it (gloo's worker thread had already let
     it go), then up to ``more`` uncounted ones above that (the thread let go later still).
     Collectives whose outputs differ in size (sequence parallelism's all-gathers and
@@ -53,7 +53,7 @@ def gloo_held(predicted: int, measured: int, buffers: Sequence[int], more: int =
     worker thread drops its reference to a collective's work after marking it done; when
     it is the last holder, the work's buffers (a reduce-scatter's copy of its input, an
     all-gather's output) die on that thread, whose frees the profiler does not record, and
-    the meter counts them live until their address is reused (:mod:`tests.native.
+    the meter counts them live until their address is reused (:mod:`tests.executors.sac.
     gloo_settle`). Such a buffer can overlap any later moment, so it raises the peak by
     anything up to its size. Never below: nothing the prediction counts leaves early."""
     tol = tolerance(predicted)

@@ -8,8 +8,8 @@ from torch import nn
 
 import remat
 from remat.budget import Options, StaticMemoryError, device_budget, static_memory
+from remat.executors.graph.module import RematModule
 from remat.models import TinyGPT
-from remat.rewrite.module import RematModule
 from tests.checks import assert_peak_close
 
 P = 1_000_000  # trainable parameters of the hand computations below
@@ -173,7 +173,7 @@ def test_budget_arguments_exclude_each_other() -> None:
 
 
 def test_report_prints_the_breakdown_and_the_plan_by_module() -> None:
-    from remat.report import _bytes, module_group
+    from remat.plan.report import _bytes, module_group
 
     assert module_group("model.layers.11.self_attn") == "model.layers.*.self_attn"
     assert module_group("blocks.0") == "blocks.*"

@@ -85,8 +85,8 @@ def test_plan_sac_executor_writes_a_file_apply_takes(
     assert code == 0, out
     assert "executor: PyTorch's selective checkpointing" in out and "plan by region" in out
     assert "transformer.h.1" in out and path.exists()
-    written = remat.planfile.read_plan(path)
-    assert written.record["graph"]["executor"] == remat.planfile.NATIVE
+    written = remat.plan.files.read_plan(path)
+    assert written.record["graph"]["executor"] == remat.plan.files.NATIVE
 
     settings = parse_settings(SMALL[1:6:2])
     built = build("gpt2", seq=64, batch=1, settings=settings)

@@ -79,3 +79,26 @@ def test_no_import_cycle_in_remat() -> None:
     assert not cycles, "import cycles among remat's modules: " + "; ".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+def _imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_solver_core_never_imports_torch() -> None:
+    """``remat/solver/`` and the problem it reads see numbers and a DAG only: no torch, and
+    nothing of remat's torch side (every import statement, function-local ones included)."""
+    core = [*sorted((ROOT / "solver").glob("*.py")), ROOT / "problem.py"]
+    assert len(core) > 20
+    allowed = ("remat.solver", "remat.problem", "remat._version")
+    for path in core:
+        for name in _imported(path):
+            assert name.split(".")[0] != "torch", f"{path.name} imports {name}"
+            if name.split(".")[0] == "remat":
+                assert name.startswith(allowed), f"{path.name} imports {name}"

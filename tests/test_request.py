@@ -74,3 +74,17 @@ def test_both_front_doors_take_a_request_or_its_flat_fields() -> None:
     with pytest.raises(ValueError, match="seq_buckets is for remat.optimize"):
         remat.apply(TinyGPT(vocab=64, dim=32, heads=2, layers=2, seq=32), tokens, max_seq=64,
                     seq_buckets=(32, 64))  # fmt: skip
+
+
+def test_the_literal_names_are_those_accepted() -> None:
+    """``SolverName`` and ``Precision`` (what a type checker offers a user) list exactly the
+    names the registry and the budget take."""
+    from typing import get_args
+
+    from remat.budget import OPTIMIZER_STATES, PRECISIONS, OptimizerName, Precision
+    from remat.solver.config import SolverName
+    from remat.solver.registry import SOLVERS
+
+    assert set(get_args(SolverName)) == {*SOLVERS, "auto"}
+    assert set(get_args(Precision)) == set(PRECISIONS)
+    assert set(get_args(OptimizerName)) == set(OPTIMIZER_STATES)

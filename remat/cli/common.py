@@ -17,8 +17,8 @@ from remat.budget import (
     PRECISIONS,
 )
 from remat.executors import EXECUTORS, SAC, Executor
-from remat.graph.profiles import PROFILE_NAMES
-from remat.native.parallel import tensor_parallel
+from remat.measure.profiles import PROFILE_NAMES
+from remat.parallel.tensor import tensor_parallel
 from remat.presets import Built
 from remat.request import Request
 
@@ -42,7 +42,7 @@ def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def parallelize(model: torch.nn.Module, args: argparse.Namespace, executor: Executor) -> None:
     """``--tp-size``: the model parallelized on a fake process group as torchtitan does Llama
-    (:mod:`remat.native.parallel`); only ``remat.apply``'s executor runs tensor-parallel.
+    (:mod:`remat.parallel.tensor`); only ``remat.apply``'s executor runs tensor-parallel.
     With ``--zero-stage 3 --world-size N`` (TP x FSDP2): ``N x tp`` ranks on one 2-D mesh,
     FSDP2 over its ``N`` data-parallel ranks."""
     if not executor.distributed:
@@ -179,7 +179,8 @@ def model_options(p: argparse.ArgumentParser) -> None:
         type=executor_label,
         default="auto",
         help="graph (remat.optimize), sac (remat.apply: FSDP2, DDP, compile) or auto (the "
-        "default: sac with --world-size above 1, graph on one device)",
+        "default: sac with --world-size, --tp-size or --pp-size above 1 or a factory's own "
+        "loss, graph on one device)",
     )
 
 

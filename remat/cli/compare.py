@@ -24,9 +24,9 @@ from remat.cli.common import (
     make_console,
     model_options,
 )
-from remat.meter import Loss
-from remat.native.events import TraceError
-from remat.plots import pareto_plot
+from remat.executors.sac.events import TraceError
+from remat.measure.meter import Loss
+from remat.plan.plots import pareto_plot
 from remat.presets import build, parse_settings
 from remat.request import Request, model_static_memory
 from remat.solver.config import BudgetError, SolverConfig

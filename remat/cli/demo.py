@@ -22,10 +22,10 @@ from remat.cli.common import (
     make_console,
     mib,
 )
+from remat.executors.graph.module import RematModule
 from remat.models import TinyGPT
-from remat.plots import pareto_plot, timeline_plot
+from remat.plan.plots import pareto_plot, timeline_plot
 from remat.problem import Problem
-from remat.rewrite.module import RematModule
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
 from remat.solver.plan import Plan, floor_of, gap_text

@@ -36,10 +36,10 @@ from remat.cli.common import (
 )
 from remat.cli.stages import pipeline_options, pipeline_stages
 from remat.executors import GRAPH, SAC, Executor
-from remat.fit import FitReport, fit
-from remat.native.events import TraceError
-from remat.pipeline_fit import PipelineFitReport, fit_pipeline
-from remat.plots import fit_plot
+from remat.executors.sac.events import TraceError
+from remat.fit.pipeline import PipelineFitReport, fit_pipeline
+from remat.fit.table import FitReport, fit
+from remat.plan.plots import fit_plot
 from remat.presets import PRESETS, Built, build, parse_settings
 
 

@@ -32,10 +32,10 @@ from remat.cli.common import (
 )
 from remat.cli.stages import pipeline_options, pipeline_stages
 from remat.executors import Executor
-from remat.native.api import save_plan
-from remat.native.events import TraceError
-from remat.native.pipeline_plan import plan_pipeline
-from remat.native.state import applied
+from remat.executors.sac.apply import save_plan
+from remat.executors.sac.events import TraceError
+from remat.executors.sac.state import applied
+from remat.parallel.pipeline_plan import plan_pipeline
 from remat.presets import PRESETS, Built, build, parse_settings
 
 
@@ -113,7 +113,7 @@ def plan_command(args: argparse.Namespace) -> int:
 def _plan_pipeline(
     args: argparse.Namespace, built: Built, executor: Executor, console: Console
 ) -> int:
-    """``--pp-size``: the model cut into stages (:mod:`remat.native.split`), every stage
+    """``--pp-size``: the model cut into stages (:mod:`remat.parallel.split`), every stage
     planned at once (:func:`remat.plan_pipeline`), one device budget per rank; with
     ``--stages-per-rank V`` (Interleaved1F1B, LoopedBFS) ``pp_size x V`` stages."""
     t0 = time.perf_counter()

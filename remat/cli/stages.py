@@ -13,9 +13,9 @@ from remat.cli.common import (
     next_token_loss,
 )
 from remat.executors import SAC, Executor
-from remat.native.parallel import tensor_parallel
-from remat.native.split import CausalLMStage, causal_lm_stages, stage_example
-from remat.native.trace import FSDP_PARAM_DTYPES
+from remat.executors.sac.trace import FSDP_PARAM_DTYPES
+from remat.parallel.split import CausalLMStage, causal_lm_stages, stage_example
+from remat.parallel.tensor import tensor_parallel
 from remat.presets import Built
 from remat.request import Request
 
@@ -63,7 +63,7 @@ def tensor_parallel_stages(
     stages: list[CausalLMStage], args: argparse.Namespace, per_rank: int
 ) -> None:
     """``--pp-size`` with ``--tp-size``: each pipeline rank's stages parallelized together
-    on a fake ``(pp, tp)`` mesh as that rank (:func:`remat.native.parallel.tensor_parallel`),
+    on a fake ``(pp, tp)`` mesh as that rank (:func:`remat.parallel.tensor.tensor_parallel`),
     the first of its tensor-parallel group; with ``--zero-stage 3 --world-size D`` a
     ``(pp, dp, tp)`` mesh, FSDP2 over its ``D`` data-parallel ranks."""
     dp = args.world_size if args.zero_stage == 3 else 1

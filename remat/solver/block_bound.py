@@ -73,7 +73,7 @@ from remat.solver.fronts import (
     outside_reads,
     tangent,
 )
-from remat.solver.milp import _Model
+from remat.solver.milp_model import MilpModel
 from remat.solver.structure import Structure, find_structure
 
 ROUNDS = 8
@@ -270,13 +270,15 @@ class _Tail:
     problem holds longer than the step does (the gradient flowing in, those passed on), plus
     what the block before the last keeps only for the last block's backward to read."""
 
-    def model(self) -> _Model:
+    def model(self) -> MilpModel:
         """The block's exact model, into which a knapsack writes its rows: a relaxation,
         without its moment cuts, its forward (the other blocks hold more there than the tail
         row counts) and its first stage (the head's reads of the block, at the head's moments:
         the head rows count those, where the tail row would count the blocks as reached).
         One block's model builds in about a second: no deadline."""
-        return _Model(self.comp.problem, None, self.comp.fold, forward_memory=False, memory_from=1)
+        return MilpModel(
+            self.comp.problem, None, self.comp.fold, forward_memory=False, memory_from=1
+        )
 
 
 def _tail(problem: Problem, structure: Structure) -> _Tail | None:
@@ -334,7 +336,7 @@ def _knapsack(
     fronts: Sequence[_Front],
     config: SolverConfig,
     time_limit_s: float,
-    tail: tuple[_Tail, _Model] | None = None,
+    tail: tuple[_Tail, MilpModel] | None = None,
 ) -> _Knapsack | None:
     """The MILP of the module docstring (``tail``: with the last block's model and its
     backward's rows); ``None`` if it proved nothing."""
@@ -433,7 +435,7 @@ def _knapsack(
 
 
 def _tail_rows(
-    lp: pulp.LpProblem, budget: int, tail: _Tail, model: _Model, classes: Sequence[_ClassVars]
+    lp: pulp.LpProblem, budget: int, tail: _Tail, model: MilpModel, classes: Sequence[_ClassVars]
 ) -> pulp.LpVariable:
     """The last block's backward: its peak (every moment of its model) and what the other
     blocks hold, what they keep unless its recomputation reaches into them (module docstring).

@@ -52,11 +52,8 @@ does not cross a block boundary.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import itertools
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,11 +66,20 @@ from remat.problem import Problem, Role
 from remat.solver import clock
 from remat.solver.block_bound import block_bound
 from remat.solver.bound import backward_bound
+from remat.solver.chain_dp import (
+    GRID,
+    ChainCosts,
+    ChainCostsBuilder,
+    chain_dp,
+)
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
-from remat.solver.fronts import KeptProblem, kept_problem
-from remat.solver.milp import exact, kept_tradeoff, min_peak
+from remat.solver.menus import (
+    Option,
+    cached_menu,
+)
+from remat.solver.milp import exact
 from remat.solver.plan import Plan, Proof, make_plan, proven
 from remat.solver.schedule import InvalidPlanError
 from remat.solver.seams import (
@@ -85,20 +91,12 @@ from remat.solver.seams import (
     patterns,
 )
 from remat.solver.simulate import Simulation
-from remat.solver.structure import BALLAST, Block, Structure, block_problem, find_structure
+from remat.solver.structure import Structure, block_problem, find_structure
 
 NONE: frozenset[int] = frozenset()
 """No seams."""
 NOTHING: frozenset[str] = frozenset()
 """No value outside the blocks dropped."""
-MENU_POINTS = 6
-"""Budgets the representative block is solved at between its least and keep-all peaks."""
-MENU_SHARE = 0.7
-"""Share of the time limit the menus may take (the DP and local search have the rest)."""
-MENU_SOLVES = 40
-"""At most this many points of the block's (bytes kept, time) Pareto front."""
-GRID = 4000
-"""Bytes kept are rounded up to a grid of budget / GRID in the DP."""
 DP_ROUNDS = 24
 """DP solves, each for a smaller budget, until the simulated plan fits."""
 BOUND_S = 10.0
@@ -109,72 +107,6 @@ MENU_WINDOW = 2
 """The all-blocks refinement window frees what a block's menu neighbours this far on either
 side disagree on (on a 4-layer Llama, 2 found the flat MILP's best plan; 5 and 10 found the
 same, in more time)."""
-
-
-@dataclass(frozen=True)
-class Option:
-    saved: frozenset[str]
-    """The option's saved set in the representative block."""
-    time_s: float
-    """Recompute time of one block with this option."""
-    origin: str
-
-
-@dataclass(frozen=True)
-class ChainCosts:
-    """Per-block quantities of one option applied to every block (module docstring, step 3).
-    Any executor's measured timeline can fill them: the native path's does too."""
-
-    keep: list[int]
-    fw_base: list[int]
-    bw_base: list[int]
-    tail_base: int
-    """Peak of the head, loss and first backward ops, less the bytes all blocks keep."""
-    head: int
-    """Peak before the first block (embeddings): independent of the plan."""
-    time_s: list[float]
-
-
-class ChainCostsBuilder:
-    """Fills :class:`ChainCosts` from a step's moments: per region, the peak of its forward
-    and of its backward less the bytes the regions before it keep; outside them, the peak
-    before the first region's forward (``head``) and every other one less all the regions
-    keep (``tail``); and per region the time its backward recomputes."""
-
-    def __init__(self, keep: list[int]) -> None:
-        self.keep = keep
-        self._prefix = [0, *itertools.accumulate(keep)]
-        self._fw = [0] * len(keep)
-        self._bw = [0] * len(keep)
-        self._time_s = [0.0] * len(keep)
-        self._head = self._tail = 0
-
-    def add(self, phase: str, region: int, value: int, *, before_regions: bool = False) -> None:
-        """A moment of ``value`` bytes in ``phase`` of ``region`` (-1: outside the regions;
-        ``before_regions``: before the first region's forward)."""
-        if region < 0:
-            if phase == "forward" and before_regions:
-                self._head = max(self._head, value)
-            else:
-                self._tail = max(self._tail, value - self._prefix[-1])
-        elif phase == "forward":
-            self._fw[region] = max(self._fw[region], value)
-        else:
-            self._bw[region] = max(self._bw[region], value)
-
-    def recompute(self, region: int, time_s: float) -> None:
-        self._time_s[region] += time_s
-
-    def costs(self) -> ChainCosts:
-        n = len(self.keep)
-        return ChainCosts(
-            keep=self.keep,
-            fw_base=[self._fw[k] - self._prefix[k] for k in range(n)],
-            bw_base=[self._bw[k] - self._prefix[k] for k in range(n)],
-            tail_base=self._tail,
-            head=self._head,
-            time_s=self._time_s,
-        )
 
 
 class Stitch(Protocol):
@@ -216,7 +148,7 @@ def chain_menu(problem: Problem, config: SolverConfig) -> ChainMenu:
     blocks = structure.blocks
     if config.progress:
         config.progress(f"chain: {len(blocks)} blocks; solving one block per class for a menu")
-    menus = {c: _cached_menu(problem, structure, c, config) for c in structure.classes}
+    menus = {c: cached_menu(problem, structure, c, config) for c in structure.classes}
     fixed = _outside_saved(problem, structure)
     options_of = [menus[next(c for c in structure.classes if k in c)] for k in range(len(blocks))]
     maps = {k: structure.correspondence(c[0], k) for c in structure.classes for k in c}
@@ -717,166 +649,6 @@ def _outside_saved(problem: Problem, structure: Structure) -> frozenset[str]:
     return frozenset(saved)
 
 
-MENU_CACHE = 16
-"""Menus kept (least recently used dropped): a sweep, or a second capture of the same model,
-solves each block's menu once."""
-FRONT_WEIGHTS = (0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0)
-"""Seconds per byte kept, in units of a block's average slope (recomputing all it can, over
-what keep-all keeps), at which :func:`_front_plans` touches the block's front."""
-FRONT_SHARE = 6
-"""A front point's solve may take the chain's time limit over this (10 s of 60), within the
-menu's."""
-_MENUS: collections.OrderedDict[tuple[object, ...], list[Option]] = collections.OrderedDict()
-
-
-def _cached_menu(
-    problem: Problem, structure: Structure, cls: tuple[int, ...], config: SolverConfig
-) -> list[Option]:
-    """Menus depend on the block's problems and the solver's settings, not on the budget nor
-    on which capture the block came from: the key is their whole content."""
-    block = structure.blocks[cls[0]]
-    sub, keep_all, heavy = _block_problems(problem, block)
-    kept = kept_problem(problem, block)
-    key = (
-        sub.content,
-        heavy.content,
-        kept.problem.content if kept else None,
-        dataclasses.replace(config, progress=None),
-    )
-    if key in _MENUS:
-        _MENUS.move_to_end(key)
-        return _MENUS[key]
-    menu = _menu(sub, keep_all, heavy, config, kept)
-    _MENUS[key] = menu
-    if len(_MENUS) > MENU_CACHE:
-        _MENUS.popitem(last=False)
-    return menu
-
-
-def _block_problems(problem: Problem, block: Block) -> tuple[Problem, Plan, Problem]:
-    """The block alone, its keep-all plan, and the block with a ballast above that plan's
-    peak (its own backward's; see :func:`_menu`)."""
-    sub = block_problem(problem, block)
-    keep_all = make_plan(
-        sub,
-        sub.backward_reads | set(must_save(sub)),
-        solver="keep_all",
-        reason="",
-        proof=Proof.HEURISTIC,
-    )
-    return sub, keep_all, block_problem(problem, block, keep_all.predicted_peak_bytes)
-
-
-def _menu(
-    sub: Problem,
-    keep_all: Plan,
-    heavy: Problem,
-    config: SolverConfig,
-    kept: KeptProblem | None = None,
-) -> list[Option]:
-    """Distinct plans of a block (``sub``), from keep-all to least peak; ``keep_all`` and
-    ``heavy`` (the block with a ballast): :func:`_block_problems`; ``kept``: the block as the
-    backward's first moments see it (:func:`remat.solver.fronts.kept_problem`), for more
-    points of its front."""
-    fwd = sub.forward_names
-    per = dataclasses.replace(config, time_limit_s=max(1.0, config.time_limit_s / MENU_SOLVES))
-    deadline = clock.now() + config.time_limit_s * MENU_SHARE
-    least = make_plan(sub, must_save(sub), solver="keep_inputs", reason="", proof=Proof.HEURISTIC)
-    plans = [keep_all, least]
-    # Options trading what the block keeps for the later blocks' backward against time: with a
-    # ballast above the block's own backward peak, the budget bounds the bytes kept. First
-    # across the whole range, then walking the Pareto front down from keep-all (each solve
-    # asking for less than the last plan kept) while time remains.
-    top = make_plan(
-        heavy, keep_all.saved, solver="", reason="", proof=Proof.HEURISTIC
-    ).predicted_peak_bytes
-    bottom = make_plan(
-        heavy, must_save(heavy), solver="", reason="", proof=Proof.HEURISTIC
-    ).predicted_peak_bytes
-
-    def solve_heavy(budget: int) -> int | None:
-        try:
-            p = exact(heavy, budget_bytes=budget, config=per)
-        except (BudgetError, RuntimeError):
-            return None
-        plans.append(make_plan(sub, p.saved - {BALLAST}, solver="exact", reason="", proof=p.proof))
-        return p.predicted_peak_bytes
-
-    for k in range(1, 2 * MENU_POINTS):
-        if clock.now() < deadline:
-            solve_heavy(bottom + (top - bottom) * k // (2 * MENU_POINTS))
-    # The fronts' points get more time than a budgeted solve: an incumbent cut short is
-    # no point of the front.
-    front = dataclasses.replace(
-        config, time_limit_s=max(per.time_limit_s, config.time_limit_s / FRONT_SHARE)
-    )
-    slope = least.recompute_time_s / max(1, keep_all.simulation.saved_bytes)
-    plans += _front_plans(sub, sub, slope, front, deadline)
-    if kept is not None:
-        plans += _front_plans(sub, kept.problem, kept.slope(), front, deadline, kept.stage)
-    # Options trading the block's own backward peak against time (the binding constraint of
-    # the last blocks, whose backward runs with everything before them kept).
-    with contextlib.suppress(RuntimeError):
-        plans.append(min_peak(sub, per))
-    hi = keep_all.predicted_peak_bytes
-    lo = min(p.predicted_peak_bytes for p in plans)
-    for k in range(1, MENU_POINTS + 1):
-        if clock.now() > deadline:
-            break
-        with contextlib.suppress(BudgetError, RuntimeError):
-            plans.append(
-                exact(sub, budget_bytes=lo + (hi - lo) * k // (MENU_POINTS + 1), config=per)
-            )
-    budget: int | None = top - 1
-    for _ in range(MENU_SOLVES):
-        if budget is None or clock.now() > deadline:
-            break
-        reached = solve_heavy(budget)
-        budget = None if reached is None else reached - 1
-    seen: dict[frozenset[str], Option] = {}
-    for p in plans:
-        saved = frozenset(n for n in p.schedule.saved if n in fwd)
-        if saved not in seen or p.recompute_time_s < seen[saved].time_s:
-            seen[saved] = Option(saved, p.recompute_time_s, p.solver)
-    # Cheapest first; an option no cheaper and no smaller than another is dropped later by the
-    # DP itself, so all are kept.
-    return sorted(seen.values(), key=lambda o: (o.time_s, -len(o.saved)))
-
-
-def _front_plans(
-    sub: Problem,
-    on: Problem,
-    slope: float,
-    config: SolverConfig,
-    deadline: float,
-    stage: int = 0,
-) -> list[Plan]:
-    """Points of the block's front of recompute against bytes kept for the backward, as plans
-    of ``sub``: the best plans of ``on`` (``sub``, or its :class:`KeptProblem`'s problem, with
-    its ``stage``) for ``recompute + w * kept`` (:func:`remat.solver.milp.kept_tradeoff`) at
-    the weights of :data:`FRONT_WEIGHTS` times ``slope``. Why: the budgeted solves step the
-    budget in strides and stop at their time limits, and miss points of the front between
-    them (Llama-70B's block: the menu kept 722 MB for 4.42 ms where the front has 689 MB for
-    2.68 ms). And the kept problem's front is what the backward's first moments hold, where
-    a deep stack's step peaks: it counts as kept what the backward outside the block reads
-    of it (the next block reads its input), which ``sub`` does not (Llama-70B: its point at
-    143 MB for 7.77 ms is none of ``sub``'s)."""
-    fwd = set(sub.forward_names)
-    out: list[Plan] = []
-    for f in FRONT_WEIGHTS if slope > 0 else ():
-        left = deadline - clock.now()
-        if left <= 0:
-            break
-        limit = dataclasses.replace(config, time_limit_s=min(config.time_limit_s, left))
-        found = kept_tradeoff(on, slope * f, limit, stage=stage)
-        if found is None:
-            continue
-        with contextlib.suppress(InvalidPlanError):
-            saved = (found.saved & fwd) | set(must_save(sub))
-            out.append(make_plan(sub, saved, solver="front", reason="", proof=Proof.HEURISTIC))
-    return out
-
-
 def _costs(
     problem: Problem, structure: Structure, saved: Sequence[str], sim: Simulation
 ) -> ChainCosts:
@@ -927,58 +699,3 @@ def _costs(
     for k, b in enumerate(blocks):
         costs.recompute(k, sum(values[n].time_s for n in (*b.forward,) if n in rec))
     return costs.costs()
-
-
-def chain_peak(costs: Sequence[ChainCosts], choice: Sequence[int]) -> int:
-    """The peak :func:`chain_dp`'s additive model gives ``choice`` (option ``choice[k]`` on
-    block ``k``): what the DP checks against the budget, for one choice."""
-    held = 0
-    peak = max(c.head for c in costs)
-    for k, o in enumerate(choice):
-        c = costs[o]
-        peak = max(peak, held + c.fw_base[k], held + c.bw_base[k])
-        held += c.keep[k]
-    return max(peak, held + max(c.tail_base for c in costs))
-
-
-def chain_time(costs: Sequence[ChainCosts], choice: Sequence[int]) -> float:
-    """The recompute time :func:`chain_dp` minimises, for one choice."""
-    return sum(costs[o].time_s[k] for k, o in enumerate(choice))
-
-
-def chain_dp(costs: list[ChainCosts], budget: int, n_blocks: int) -> list[int] | None:
-    """Least total time choice per block under the additive model, or None if none fits.
-
-    ``costs[o]`` are the per-block quantities of option ``o``; the choice is one option index
-    per block."""
-    if max(c.head for c in costs) > budget:
-        return None
-    unit = max(1, math.ceil(budget / GRID))
-    # state: quantised bytes kept so far -> (time, choice so far)
-    states: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
-    for k in range(n_blocks):
-        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
-        for held_q, (t, choice) in states.items():
-            held = held_q * unit
-            for o, c in enumerate(costs):
-                if held + c.fw_base[k] > budget or held + c.bw_base[k] > budget:
-                    continue
-                q = held_q + math.ceil(c.keep[k] / unit)
-                cand = (t + c.time_s[k], (*choice, o))
-                if q not in nxt or cand[0] < nxt[q][0]:
-                    nxt[q] = cand
-        # Drop states dominated by one holding fewer bytes for no more time.
-        pruned: dict[int, tuple[float, tuple[int, ...]]] = {}
-        best_t = math.inf
-        for q in sorted(nxt):
-            if nxt[q][0] < best_t:
-                pruned[q] = nxt[q]
-                best_t = nxt[q][0]
-        states = pruned
-        if not states:
-            return None
-    tail = max(c.tail_base for c in costs)
-    fits = [(t, ch) for q, (t, ch) in states.items() if q * unit + tail <= budget]
-    if not fits:
-        return None
-    return list(min(fits)[1])

@@ -2,7 +2,7 @@
 
 A forward *view* (an op that allocates nothing and references exactly the storages of its
 first input: ``view``, ``transpose``, ``expand``, ``slice``, ``detach``, a ``getitem`` of a
-``split``, ...) costs no time (:func:`remat.graph.costs.node_time`) and no bytes. Saving a view
+``split``, ...) costs no time (:func:`remat.measure.costs.node_time`) and no bytes. Saving a view
 keeps its base's storage, exactly as saving the base does, but leaves the base to be recomputed
 if anything else reads it; saving the base instead costs the same bytes and lets the view be
 recomputed for free. So some optimal plan never saves a view, and such a plan behaves the same

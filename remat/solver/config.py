@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 
 class BudgetError(ValueError):
@@ -35,6 +36,21 @@ class BudgetError(ValueError):
         self.hints += (hint,)
         self.args = (f"{self.args[0]}. {hint}",)
 
+
+SolverName = Literal[
+    "auto",
+    "exact",
+    "lp_round",
+    "chain",
+    "block",
+    "megatron",
+    "chen_sqrt",
+    "chen_greedy",
+    "keep_all",
+    "keep_inputs",
+    "keep_matmuls",
+]
+"""Every name ``solver=`` takes (:data:`remat.solver.registry.SOLVERS` and ``auto``)."""
 
 WALL_FACTOR = 5.0
 """The default wall-clock safety net is this many times ``time_limit_s`` (counted work) ..."""

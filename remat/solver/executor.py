@@ -11,7 +11,7 @@ themselves (:mod:`remat.solver.milp`, the graph executor's recompute-at-stage va
 native planner's menus are saved sets of ``candidates``. No solver branches on an executor's
 name.
 
-* ``graph``: remat's own forward and backward graphs (:mod:`remat.rewrite`). The backward
+* ``graph``: remat's own forward and backward graphs (:mod:`remat.executors.graph`). The backward
   recomputes each missing value just before its first use, only what is needed, once; random
   ops are never recomputed. :func:`remat.solver.schedule.build_schedule` is its schedule.
 * ``sac``: PyTorch's non-reentrant ``checkpoint`` with a selective policy per region, as

@@ -15,7 +15,7 @@ moment provably dominates over the shapes' range (coefficients of the difference
 ``b - b_min`` and ``s - s_min``, all non-negative). Evaluated at any ``(b, s)`` of the range,
 the maximum equals the concrete simulator's peak to the byte.
 
-Pure numbers: no torch here (see :mod:`remat.graph.dynamic` for the captures).
+Pure numbers: no torch here (see :mod:`remat.fit.graph_shapes` for the captures).
 """
 
 from __future__ import annotations

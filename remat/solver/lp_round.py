@@ -22,7 +22,8 @@ from remat.solver.backend import backend
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import fixed_saved_set, keep_all_plan
-from remat.solver.milp import BelowFloor, _budget_error, _least_plan, _Model
+from remat.solver.milp import budget_error, least_plan
+from remat.solver.milp_model import BelowFloor, MilpModel
 from remat.solver.plan import Plan, Proof, make_plan, proven
 
 RANDOM_ROUNDINGS = 16
@@ -39,9 +40,9 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
     small = comp.problem
     deadline = clock.now() + config.time_limit_s
     try:  # ModelTimeout (a RuntimeError) if the model takes the whole time limit to build
-        model = _Model(small, budget_bytes, comp.fold, deadline=deadline)
+        model = MilpModel(small, budget_bytes, comp.fold, deadline=deadline)
     except BelowFloor as e:
-        raise _budget_error(budget_bytes, e.floor, _least_plan(problem, config, None)) from None
+        raise budget_error(budget_bytes, e.floor, least_plan(problem, config, None)) from None
     floor = model.floor
     for var in model.lp.variables():
         var.cat = pulp.LpContinuous
@@ -66,7 +67,7 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
         if hs is not None:
             status += f" / HiGHS {hs.modelStatusToString(hs.getModelStatus())}"
         if model.lp.status == pulp.LpStatusInfeasible:
-            raise _budget_error(budget_bytes, floor, _least_plan(problem, config, None))
+            raise budget_error(budget_bytes, floor, least_plan(problem, config, None))
         raise RuntimeError(f"lp_round: the LP relaxation was not solved ({status})")
     bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / model.scale
     frac = {n: float(v.value() or 0.0) for n, v in model.s.items()}

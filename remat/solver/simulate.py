@@ -1,6 +1,6 @@
 """Exact memory timeline of one training step under the executor's schedule.
 
-The model of the executor (it mirrors :mod:`remat.rewrite.executor` and FX's code generation):
+The model of the executor (it mirrors :mod:`remat.executors.graph.run` and FX's code generation):
 
 * a value is held from the op that produces it until after its last use in the graph that runs
   it; a value with no use in that graph is dropped right after its op; graph outputs are held
@@ -17,9 +17,10 @@ The model of the executor (it mirrors :mod:`remat.rewrite.executor` and FX's cod
 * the backward's gradients are returned and stored as ``.grad`` (stolen, not copied).
 
 ``tensor_peak_bytes`` is the maximum live total over the step: exactly what
-:class:`remat.meter.LiveMemoryMeter` measures on a real run. ``peak_bytes`` adds, at each op,
+:class:`remat.measure.meter.LiveMemoryMeter` measures on a real run. ``peak_bytes`` adds, at each
+op,
 the scratch its kernel allocates and frees inside itself (:attr:`remat.Value.scratch_bytes`):
-what the allocator holds at its peak (:func:`remat.meter.allocator_peak_bytes`).
+what the allocator holds at its peak (:func:`remat.measure.meter.allocator_peak_bytes`).
 """
 
 from __future__ import annotations

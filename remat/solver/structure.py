@@ -149,18 +149,18 @@ def block_problem(problem: Problem, block: Block, ballast_bytes: int = 0) -> Pro
                 outside[i] = Value(i, role, u.op, shape=u.shape)
         kept.append(
             Value(
-                n,
-                v.role,
-                v.op,
-                v.inputs,
-                tuple(s for s in v.storages if s in own_storages),
-                v.allocates,
-                v.flops,
-                v.time_s,
-                v.random,
-                v.module_path,
-                v.module_stack,
-                v.shape,
+                name=n,
+                role=v.role,
+                op=v.op,
+                inputs=v.inputs,
+                storages=tuple(s for s in v.storages if s in own_storages),
+                allocates=v.allocates,
+                flops=v.flops,
+                time_s=v.time_s,
+                random=v.random,
+                module_path=v.module_path,
+                module_stack=v.module_stack,
+                shape=v.shape,
                 pinned=v.pinned,
             )
         )

@@ -12,16 +12,13 @@ from torch import nn
 import remat
 from remat.models import TinyGPT
 from remat.problem import Problem
-from remat.solver.chain import (
-    ChainCosts,
-    _cached_menu,
-    _menu_window,
-    chain_dp,
-    chain_peak,
-    chain_solver,
-)
+from remat.solver.chain import _menu_window, chain_solver
+from remat.solver.chain_dp import ChainCosts, chain_dp, chain_peak
 from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.fixed import must_save
 from remat.solver.fronts import kept_problem
+from remat.solver.menus import cached_menu
+from remat.solver.plan import Proof, make_plan
 from remat.solver.registry import least_peak, solve
 from remat.solver.structure import block_problem, find_structure
 from tests.checks import assert_trains_like_eager
@@ -151,7 +148,7 @@ def test_the_all_blocks_window_frees_what_neighbouring_menu_options_disagree_on(
     problem = remat.analyze(model, (x,)).problem
     s = find_structure(problem)
     (cls,) = s.classes
-    menu = sorted(_cached_menu(problem, s, cls, CONFIG), key=lambda o: o.time_s)
+    menu = sorted(cached_menu(problem, s, cls, CONFIG), key=lambda o: o.time_s)
     assert len(menu) >= 5
     i = len(menu) // 2
     saved = {s.correspondence(cls[0], k)[n] for k in cls for n in menu[i].saved}
@@ -200,7 +197,7 @@ def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> Non
     """Menus are cached by the block's whole content and the solver's settings: a second
     capture of the same model (another ``optimize`` call) solves no menu again; another
     model, or another time limit, does. (The solves are counted, not run.)"""
-    from remat.solver import chain
+    from remat.solver import menus
 
     solved: list[tuple[Problem, SolverConfig]] = []
 
@@ -210,13 +207,13 @@ def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> Non
         solved.append((sub, config))
         return []
 
-    monkeypatch.setattr(chain, "_menu", menu)
-    monkeypatch.setattr(chain, "_MENUS", type(chain._MENUS)())
+    monkeypatch.setattr(menus, "block_menu", menu)
+    monkeypatch.setattr(menus, "_MENUS", type(menus._MENUS)())
 
     def cached(model: nn.Module, x: torch.Tensor, config: SolverConfig = CONFIG) -> object:
         problem = remat.analyze(model, (x,)).problem
         s = find_structure(problem)
-        return _cached_menu(problem, s, s.classes[0], config)
+        return cached_menu(problem, s, s.classes[0], config)
 
     model, x = _gpt(3)
     first = cached(model, x)
@@ -231,45 +228,43 @@ def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> Non
 def test_the_menu_holds_points_of_the_block_s_front_none_of_its_options_beats(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """chain._front_plans (the best plans of recompute plus a price per byte kept) are
+    """menus.front_plans (the best plans of recompute plus a price per byte kept) are
     points of the block's front, and of its front as the backward's first moments see it
     (its kept problem): no option of the block's menu keeps as little and recomputes less;
     and the menu asks for both."""
-    from remat.solver import chain
+    from remat.solver import menus
 
     # The prices whose solves finish in well under a second here, given a limit that never
     # binds, so each front plan is optimal however slow the machine (an incumbent cut short
     # by a time limit need not be on the front).
-    monkeypatch.setattr(chain, "FRONT_WEIGHTS", (0.2, 0.3, 0.5, 0.7))
+    monkeypatch.setattr(menus, "FRONT_WEIGHTS", (0.2, 0.3, 0.5, 0.7))
     unbounded = SolverConfig(time_limit_s=3600)
     model, x = _gpt(3)
     problem = remat.analyze(model, (x,)).problem
     s = find_structure(problem)
     block = s.blocks[s.classes[0][0]]
-    sub, keep_all, heavy = chain._block_problems(problem, block)
+    sub, keep_all, heavy = menus.block_problems(problem, block)
     kp = kept_problem(problem, block)
     assert kp is not None
-    least = chain.make_plan(
-        sub, chain.must_save(sub), solver="", reason="", proof=chain.Proof.HEURISTIC
-    )
+    least = make_plan(sub, must_save(sub), solver="", reason="", proof=Proof.HEURISTIC)
     slope = least.recompute_time_s / keep_all.simulation.saved_bytes
     fwd = set(sub.forward_names)
 
     def on_sub(saved: frozenset[str]) -> tuple[int, float]:
-        plan = chain.make_plan(sub, saved, solver="", reason="", proof=chain.Proof.HEURISTIC)
+        plan = make_plan(sub, saved, solver="", reason="", proof=Proof.HEURISTIC)
         return plan.simulation.saved_bytes, plan.recompute_time_s
 
     def on_kept(saved: frozenset[str]) -> tuple[int, float]:
-        mine = (saved & set(kp.problem.by_name)) | set(chain.must_save(kp.problem))
-        p = chain.make_plan(kp.problem, mine, solver="", reason="", proof=chain.Proof.HEURISTIC)
+        mine = (saved & set(kp.problem.by_name)) | set(must_save(kp.problem))
+        p = make_plan(kp.problem, mine, solver="", reason="", proof=Proof.HEURISTIC)
         return kp.kept(p), p.recompute_time_s
 
     quick = SolverConfig(time_limit_s=2)  # a shorter menu: its options are what is compared
-    menu = chain._menu(sub, keep_all, heavy, quick, kp)
+    menu = menus.block_menu(sub, keep_all, heavy, quick, kp)
     inf = float("inf")
     for measure, fronts in (
-        (on_sub, chain._front_plans(sub, sub, slope, unbounded, inf)),
-        (on_kept, chain._front_plans(sub, kp.problem, kp.slope(), unbounded, inf, kp.stage)),
+        (on_sub, menus.front_plans(sub, sub, slope, unbounded, inf)),
+        (on_kept, menus.front_plans(sub, kp.problem, kp.slope(), unbounded, inf, kp.stage)),
     ):
         assert fronts and {p.solver for p in fronts} == {"front"}
         for p in fronts:
@@ -277,9 +272,9 @@ def test_the_menu_holds_points_of_the_block_s_front_none_of_its_options_beats(
             for o in menu:
                 theirs, their_time_s = measure(o.saved)
                 assert not (theirs <= mine and their_time_s < time_s * (1 - 1e-9)), o
-    # The menu asks _front_plans for its options, on the block and on its kept problem.
+    # The menu asks front_plans for its options, on the block and on its kept problem.
     calls: list[tuple[object, ...]] = []
-    monkeypatch.setattr(chain, "_front_plans", lambda *args: calls.append(args) or [])
-    chain._menu(sub, keep_all, heavy, quick, kp)
+    monkeypatch.setattr(menus, "front_plans", lambda *args: calls.append(args) or [])
+    menus.block_menu(sub, keep_all, heavy, quick, kp)
     assert [c[:2] for c in calls] == [(sub, sub), (sub, kp.problem)]
     assert calls[1][2] == kp.slope() and calls[1][5] == kp.stage

@@ -233,18 +233,18 @@ def test_a_budgeted_model_that_finds_nothing_falls_back_to_the_least_peak_plan(
     """At a budget equal to the least peak, the budgeted MILP can find nothing in time (seen on
     a U-Net at a 10 s limit) while the least-peak MILP has a plan that fits: return that plan,
     not a BudgetError naming the budget itself as the least peak."""
-    from remat.solver import milp
+    from remat.solver import milp_model
 
     prob = _layers(4)
     least = min_peak(prob, CONFIG).predicted_peak_bytes
-    build = milp._Model._build
+    build = milp_model.MilpModel._build
 
-    def no_plan_with_a_budget(self: milp._Model, budget: int | None) -> None:
+    def no_plan_with_a_budget(self: milp_model.MilpModel, budget: int | None) -> None:
         build(self, budget)
         if budget is not None:  # make every budgeted model infeasible
             self.lp += self.s[self.fwd[0]] >= 2
 
-    monkeypatch.setattr(milp._Model, "_build", no_plan_with_a_budget)
+    monkeypatch.setattr(milp_model.MilpModel, "_build", no_plan_with_a_budget)
     plan = exact(prob, budget_bytes=least, config=CONFIG)
     assert plan.predicted_peak_bytes <= least
     assert "least-peak plan fits" in plan.reason and plan.lower_bound_s is None

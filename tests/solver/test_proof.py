@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.planfile import plan_from_file, save_plan
+from remat.plan.files import plan_from_file, save_plan
 from remat.problem import Problem
 from remat.solver.config import SolverConfig
 from remat.solver.milp import exact

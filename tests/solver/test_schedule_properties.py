@@ -26,7 +26,7 @@ def problems(draw: st.DrawFn) -> tuple[Problem, frozenset[str]]:
         name = f"f{i}"
         base = next((v for v in reversed(fwd) if v.name in inputs and v.storages), None)
         if base is not None and draw(st.booleans()) and i < n - 1:
-            # A view: free (as remat.graph.costs makes them), usually of its only input.
+            # A view: free (as remat.measure.costs makes them), usually of its only input.
             if draw(st.booleans()):
                 inputs = (base.name,)
             values.append(

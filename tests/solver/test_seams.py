@@ -12,6 +12,7 @@ from remat.models import TinyGPT
 from remat.problem import Problem, Role
 from remat.solver.chain import chain_menu
 from remat.solver.config import SolverConfig
+from remat.solver.menus import Option, block_problems
 from remat.solver.plan import Proof, make_plan
 from remat.solver.seams import (
     apply_seams,
@@ -146,15 +147,15 @@ def test_the_chain_solver_takes_seams_where_they_pay_and_its_plan_trains_bitwise
     from remat.solver.registry import solve
 
     def two_options(p, structure, cls, config):  # type: ignore[no-untyped-def]
-        sub, keep_all, _ = chain._block_problems(p, structure.blocks[cls[0]])
+        sub, keep_all, _ = block_problems(p, structure.blocks[cls[0]])
         least = make_plan(sub, must_save(sub), solver="", reason="", proof=Proof.HEURISTIC)
         fwd = sub.forward_names
         return [
-            chain.Option(frozenset(n for n in q.schedule.saved if n in fwd), q.recompute_time_s, "")
+            Option(frozenset(n for n in q.schedule.saved if n in fwd), q.recompute_time_s, "")
             for q in (keep_all, least)
         ]
 
-    monkeypatch.setattr(chain, "_cached_menu", two_options)
+    monkeypatch.setattr(chain, "cached_menu", two_options)
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, dim=32, heads=2, layers=4, seq=32, dropout=0.0)
     x = torch.randint(0, 64, (2, 32))

@@ -1,0 +1,323 @@
+"""The executors a plan runs on, as one type.
+
+A plan targets an executor:
+
+- ``graph``: remat's whole-graph executor (:func:`remat.optimize`). It captures the step whole
+  and rewrites its graphs. It runs as one module, under no distributed engine.
+- ``sac``: PyTorch's selective checkpointing on the model's own blocks (:func:`remat.apply`).
+  It runs under FSDP2, DDP, tensor and pipeline parallelism, ``torch.compile`` and the
+  Hugging Face Trainer.
+
+Each is an :class:`Executor`; :data:`EXECUTORS` holds one per name. The name is the one thing
+that crosses into the solver core (:attr:`remat.problem.Problem.executor`), whose model of
+each executor's schedule lives in :mod:`remat.solver.executor` and never imports torch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from remat.executors.graph.analyze import analyze
+from remat.executors.graph.module import RematModule
+from remat.executors.graph.optimize import optimize
+from remat.executors.sac.apply import NATIVE_SOLVERS, apply, kv_cache_off
+from remat.executors.sac.apply import analyze as native_analyze
+from remat.executors.sac.apply import save_plan as native_save_plan
+from remat.executors.sac.events import StepTrace
+from remat.executors.sac.planner import NATIVE_PLANS
+from remat.executors.sac.planner import fixed as native_fixed
+from remat.executors.sac.planner import solve as native_solve
+from remat.executors.sac.regions import find_blocks
+from remat.executors.sac.report import explain_applied
+from remat.executors.sac.state import applied
+from remat.measure.meter import Loss
+from remat.measure.profiles import get_profile
+from remat.plan.report import explain_plan
+from remat.request import Request, as_args, resolve_profile
+from remat.solver.config import BudgetError, SolverConfig
+from remat.solver.plan import Plan, Proof, proven
+from remat.solver.registry import HEURISTICS, SOLVERS, least_peak, solve
+
+Solved = tuple[int, float, "float | None", Proof]
+"""A compared plan: step peak bytes, recompute % of the step, its proven floor in % (or
+None), its proof."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A model planned by an executor: the module that trains with the plan, and the plan."""
+
+    module: nn.Module
+    plan: Plan
+    timings: Mapping[str, float]
+    """Seconds per planning stage (capture, analysis, solve, ...)."""
+    report: Callable[[int], str]
+    """The plan explained, at a width."""
+    writer: Callable[[Path], Path]
+    """Writes the plan file."""
+
+    def explain(self, width: int = 120) -> str:
+        """What the plan keeps and recomputes, and its predicted peak and time."""
+        return self.report(width)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan file (the executor's entry point loads it with ``plan=path``)."""
+        return self.writer(Path(path))
+
+
+class Comparison(ABC):
+    """Every solver of an executor on one analyzed step, for ``remat compare``: the model is
+    not modified."""
+
+    solvers: list[str]
+
+    @abstractmethod
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        kwargs: Mapping[str, Any],
+        request: Request,
+        loss: Loss | None,
+    ) -> None:
+        """Analyze the step of ``model`` once."""
+
+    @abstractmethod
+    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
+        """The least step peak a plan reaches, and keep-all's."""
+
+    @abstractmethod
+    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
+        """Solver ``name``'s plan at a step budget (:class:`BudgetError` where none fits)."""
+
+
+class _GraphComparison(Comparison):
+    """Every solver on the captured joint graph."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        kwargs: Mapping[str, Any],
+        request: Request,
+        loss: Loss | None,
+    ) -> None:
+        options = request.training
+        self.problem = analyze(
+            model,
+            example_inputs,
+            kwargs,
+            device_profile=request.device_profile,
+            precision=options.precision,
+            grads_held=not options.grads_released,
+            loss=loss,
+        ).problem
+        self.solvers = [*SOLVERS, "auto"]
+
+    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
+        keep_all = solve(self.problem, solver="keep_all", budget_bytes=None)
+        least = min(least_peak(self.problem, n, config) for n in HEURISTICS)
+        return least, keep_all.predicted_peak_bytes
+
+    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
+        plan = solve(self.problem, solver=name, budget_bytes=budget, config=config)
+        step = plan.simulation.step_time_s
+        bound = None if plan.lower_bound_s is None else 100 * plan.lower_bound_s / step
+        pct = 100 * plan.simulation.recompute_time_s / step
+        return plan.predicted_peak_bytes, pct, bound, proven(plan)
+
+
+class _SacComparison(Comparison):
+    """``remat.apply``'s fixed plans, its ``auto`` and each of remat's solvers for its
+    executor, every plan traced."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        kwargs: Mapping[str, Any],
+        request: Request,
+        loss: Loss | None,
+    ) -> None:
+        profile = get_profile(resolve_profile(model, request.device_profile))
+        blocks = find_blocks(model)
+        self.args, self.kwargs = as_args(example_inputs), dict(kwargs)
+        with kv_cache_off(model):
+            self.traced, self.problem = native_analyze(
+                model, blocks, self.args, self.kwargs, request, profile, loss=loss
+            )
+        self.model = model
+        self.solvers = [*(f"plan:{n}" for n in NATIVE_PLANS), "auto", *NATIVE_SOLVERS]
+
+    def _tracer(self, policies: Any, schedule: bool = True) -> StepTrace:
+        with kv_cache_off(self.model):
+            return self.traced.trace(self.args, self.kwargs, policies, schedule)
+
+    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
+        least = native_fixed(self.problem, "block", self._tracer).trace.peak_bytes
+        return least, self.problem.baseline.peak_bytes
+
+    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
+        if name.startswith("plan:"):  # remat.apply(plan=...)
+            solution = native_fixed(self.problem, name.removeprefix("plan:"), self._tracer)
+            if solution.trace.peak_bytes > budget:
+                raise BudgetError(budget, solution.trace.peak_bytes, f"plan {name!r}")
+        else:
+            solution = native_solve(
+                self.problem, self._tracer, budget_bytes=budget, config=config, solver=name
+            )
+        trace = solution.trace
+        step = sum(e.time_s for e in trace.events)
+        pct = 100 * trace.recompute_time_s / step if step else 0.0
+        return trace.peak_bytes, pct, None, Proof.OPTIMAL if pct == 0 else solution.proof
+
+
+class Executor(ABC):
+    """What turns a plan into a running step: :data:`EXECUTORS` holds one per name."""
+
+    name: ClassVar[str]
+    """The name the solver core knows the executor by (``Problem.executor``)."""
+    entry: ClassVar[str]
+    """The public function that plans and runs on it."""
+    description: ClassVar[str]
+    """One line: what it is and what it runs under."""
+    distributed: ClassVar[bool]
+    """Whether it runs under FSDP2, DDP, tensor and pipeline parallelism."""
+    own_forward: ClassVar[bool]
+    """Whether the planned module runs the model's own forward (under the user's autocast),
+    rather than graphs that carry their casts."""
+    comparison: ClassVar[type[Comparison]]
+    """How ``remat compare`` runs every solver of this executor."""
+
+    def __str__(self) -> str:
+        return self.description
+
+    def plan(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        *,
+        example_kwargs: Mapping[str, Any] | None = None,
+        request: Request | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        target: Any = None,
+        **flat: Any,
+    ) -> Planned:
+        """Plan ``model``'s step for ``request`` (or the request's fields as keywords, ``flat``)
+        with the executor's entry point: :func:`remat.optimize` leaves ``model`` as it is,
+        :func:`remat.apply` wraps its blocks in place."""
+        module = self._entry(
+            model,
+            example_inputs,
+            example_kwargs=example_kwargs,
+            request=request,
+            loss_fn=loss_fn,
+            target=target,
+            **flat,
+        )
+        return self._planned(module)
+
+    def compare(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        *,
+        request: Request,
+        example_kwargs: Mapping[str, Any] | None = None,
+        loss: Loss | None = None,
+    ) -> Comparison:
+        """The step analyzed once, for every solver of this executor."""
+        return self.comparison(model, example_inputs, example_kwargs or {}, request, loss)
+
+    @abstractmethod
+    def _entry(self, model: nn.Module, example_inputs: Any, **kwargs: Any) -> nn.Module:
+        """The entry point's module for ``model``."""
+
+    @abstractmethod
+    def _planned(self, module: nn.Module) -> Planned:
+        """The entry point's module, with its plan, report and plan file."""
+
+
+class GraphExecutor(Executor):
+    name = "graph"
+    entry = "remat.optimize"
+    description = "remat's whole-graph executor (remat.optimize): one module, no distributed engine"
+    distributed = False
+    own_forward = False
+    comparison = _GraphComparison
+
+    def _entry(self, model: nn.Module, example_inputs: Any, **kwargs: Any) -> nn.Module:
+        return optimize(model, example_inputs, **kwargs)
+
+    def _planned(self, module: nn.Module) -> Planned:
+        assert isinstance(module, RematModule)
+        plan, problem = module.plan, module._first.problem
+        return Planned(
+            module,
+            plan,
+            module._first.timings,
+            lambda width: explain_plan(plan, problem, width=width),
+            module.save_plan,
+        )
+
+
+class SacExecutor(Executor):
+    name = "sac"
+    entry = "remat.apply"
+    description = (
+        "PyTorch's selective checkpointing on the model's blocks (remat.apply): runs under "
+        "FSDP2, DDP, torch.compile, the Trainer"
+    )
+    distributed = True
+    own_forward = True
+    comparison = _SacComparison
+
+    def _entry(self, model: nn.Module, example_inputs: Any, **kwargs: Any) -> nn.Module:
+        return apply(model, example_inputs, **kwargs)
+
+    def _planned(self, module: nn.Module) -> Planned:
+        state = applied(module)
+        return Planned(
+            module,
+            state.plan,
+            state.timings,
+            lambda width: explain_applied(state, width=width),
+            lambda path: native_save_plan(module, path),
+        )
+
+
+GRAPH = GraphExecutor()
+SAC = SacExecutor()
+EXECUTORS: Mapping[str, Executor] = {e.name: e for e in (GRAPH, SAC)}
+"""Every executor by name."""
+
+
+def executor_named(executor: str | Executor) -> Executor:
+    """The executor ``executor`` names (or ``executor`` itself); :class:`ValueError` naming
+    the valid ones otherwise."""
+    if isinstance(executor, Executor):
+        return executor
+    found = EXECUTORS.get(executor)
+    if found is None:
+        raise ValueError(f"unknown executor {executor!r}; valid: {', '.join(EXECUTORS)}")
+    return found
+
+
+__all__ = [
+    "EXECUTORS",
+    "GRAPH",
+    "SAC",
+    "Comparison",
+    "Executor",
+    "GraphExecutor",
+    "Planned",
+    "SacExecutor",
+    "executor_named",
+]

@@ -1,0 +1,898 @@
+"""``remat.apply``: a plan run by PyTorch's own selective checkpointing, on the user's blocks.
+
+Where :func:`remat.optimize` returns a module of its own, ``apply`` wraps the model's blocks *in
+place* (as ``fully_shard`` and torchtitan's ``apply_ac`` do) and returns the same object, so the
+stack a user trains with -- FSDP2, DDP, ``torch.compile``, the Hugging Face Trainer, PEFT --
+wraps it as usual. The recipe: ``remat.apply`` first, then ``fully_shard`` (or DDP), then
+``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
+from typing_extensions import Unpack
+
+from remat import _torch_compat as tc
+from remat._torch_compat import is_fake
+from remat.budget import PRECISIONS, autocast_cache_hint
+from remat.executors.sac import agree, planner, regions, shallow
+from remat.executors.sac.regions import BlockError
+from remat.executors.sac.state import _STATE, Applied, _find_state, applied
+from remat.executors.sac.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
+from remat.fit.graph_shapes import inputs_at, sequence_dims
+from remat.measure.autocast import AUTOCAST
+from remat.measure.meter import Loss
+from remat.measure.profiles import DeviceProfile, get_profile
+from remat.parallel.pipelining import Pipeline
+from remat.plan.files import (
+    NATIVE,
+    PlanFile,
+    PlanFileError,
+    document,
+    load,
+    read_plan,
+    write_document,
+)
+from remat.request import (
+    Request,
+    RequestArgs,
+    as_args,
+    device_errors,
+    request_of,
+    resolve_profile,
+)
+from remat.solver.config import BudgetError
+from remat.solver.formula import FitError
+from remat.solver.plan import STEP_WITH_LOSS, STEP_WITHOUT_LOSS, Plan
+from remat.solver.registry import solvers_for
+
+__all__ = ["NATIVE_SOLVERS", "apply", "save_plan", "unapply"]
+
+NATIVE_SOLVERS = tuple(name for name in solvers_for("sac") if name != "auto")
+"""Solvers ``remat.apply(..., solver=)`` takes besides ``auto`` (its own: the chain DP and the
+MILP, every plan traced): those of :data:`remat.solver.registry.SOLVER_TABLE` for the ``sac``
+executor."""
+
+
+def apply(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    request: Request | None = None,
+    pipeline: Pipeline | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    group: ProcessGroup | None = None,
+    **flat: Unpack[RequestArgs],
+) -> nn.Module:
+    """Plan a selective-checkpoint policy per block of ``model`` and wrap the blocks **in
+    place**; returns ``model`` itself.
+
+    Each block's ``forward`` then runs through ``torch.utils.checkpoint`` (non-reentrant) with
+    a policy that keeps some ops' outputs and recomputes the rest in the backward (dropout
+    replays its random state: gradients are bitwise those of the unwrapped model). Parameters,
+    buffers and ``state_dict`` keys are untouched; :func:`unapply` restores the blocks.
+    Where the blocks' plan recomputes, ``auto`` also plans with each block's sub-modules as
+    the regions (:func:`remat.executors.sac.regions.split_blocks`) and keeps the cheaper plan that
+    fits. The solvers also plan the modules outside the blocks that hold parameters (the
+    embeddings, the final norm, the head: :func:`remat.executors.sac.regions.outside_blocks`);
+    code that is no module's (a loss computed in the model's forward) runs eagerly. The KV cache of every
+    Hugging Face model inside ``model`` (itself, or one a training wrapper calls) is turned off
+    (``config.use_cache = False``, as ``gradient_checkpointing_enable()`` does; ``unapply``
+    restores it).
+
+    ``request``: the whole request as one :class:`remat.Request`, or, as sugar, its fields as
+    flat keyword arguments (not both). Budget options are those of :func:`remat.optimize` (``budget_gb`` / ``budget_bytes`` for
+    the whole device with ``optimizer``, ``precision``, ``zero_stage``, ``world_size``,
+    ``reserve_fraction``; or ``activation_budget_bytes`` for the step alone). ``plan``: a
+    fixed plan, ``keep_all`` (no checkpoint), ``keep_matmuls`` (each block keeps its matmul
+    and attention outputs), ``torchtitan_op`` (torchtitan's op-SAC policy) or ``block`` (each
+    block recomputed whole); or a plan file from
+    :func:`save_plan`, re-applied without solving (one solved for other blocks or shapes
+    raises :class:`remat.PlanFileError`). ``solver``: ``auto`` (the chain DP over per-block menus,
+    each option traced on every block -- on two shallow copies of a stack of 12 regions or
+    more, :mod:`remat.executors.sac.shallow` -- and the exact MILP on the step's dataflow; the
+    cheapest plan traced on the model that fits), or one of remat's solvers planning for
+    PyTorch's checkpoint executor (``exact``, ``lp_round``, ``keep_all``, ``keep_matmuls``,
+    ``chen_greedy``, ...: see
+    :mod:`remat.solver.executor`), its plan traced and re-solved for less while over budget.
+    ``block_types``: class names (a base class names its subclasses) or path patterns of the
+    blocks (default: the repeated children of ModuleLists and ModuleDicts; where they nest,
+    the level whose every block recomputed traces the least peak:
+    :func:`remat.executors.sac.regions.block_candidates`).
+
+    Every plan's peak is measured by running the step, wrapped as it will train, on a
+    FakeTensor copy of the model (no memory, any size), under the live-storage meter that
+    measures real steps: ``remat.plan_of(model).predicted_peak_bytes``. With
+    ``zero_stage=3, world_size=N`` the copy is sharded with FSDP2 over N ranks of a fake
+    process group (``fully_shard`` on each block, then the root, as the recipe does) and the
+    peak is one rank's: gathered parameters of the running and prefetched blocks, gradients
+    before and after reduce-scatter. A model tensor-parallel over one dimension of a 2-D
+    mesh (TP x FSDP2) is sharded over the mesh's other dimension instead, the job's own
+    (whose size ``world_size`` must be): FSDP2's collectives on FakeTensors communicate
+    nothing.
+
+    ``precision="bf16-fsdp"`` (with ``zero_stage=3, world_size=N``) plans the step FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` runs:
+    bf16 parameters gathered per block, fp32 sharded master weights, gradients reduced in fp32.
+    Shard with that policy (on each block, then the root) after ``apply``.
+
+    ``max_seq``: for inputs whose length varies (dim 1 of the first input, token ids), the
+    longest. The policies do not depend on shapes, so one plan runs every length; it is planned
+    and its peak traced at ``max_seq`` (the example inputs tiled to that length), the longest
+    and so the highest-peaked of them.
+
+    ``pipeline``: ``model`` is one stage of a ``torch.distributed.pipelining`` pipeline
+    (:class:`remat.parallel.pipelining.Pipeline`: the schedule, this stage's index, the number
+    of stages and of microbatches). ``example_inputs`` are then one microbatch's inputs of
+    this stage (for a later stage, the activations it receives), and ``target`` one
+    microbatch's target (last stage). The budget is this stage's, and the peak planned is
+    that of a whole ``schedule.step()``: every microbatch in flight at each action of the
+    schedule, as it runs (traced through PyTorch's own schedule on a fake process group).
+    Under a multi-stage schedule (``Interleaved1F1B``, ``LoopedBFS``: ``Pipeline(...,
+    stages_per_rank=V)``) ``model`` is the rank's V stage modules as one ``nn.ModuleList``
+    (stage order), ``example_inputs`` one microbatch's input per stage, and the blocks by
+    default each stage's own; the stages are planned together, for the rank's device.
+
+    ``loss_fn``: the loss the training loop computes from the model's output, ``loss =
+    loss_fn(output, target)`` (``target``: the example batch's labels, shaped as the inputs
+    are). The plan and its predicted peak are then those of the step the loop runs: ``out =
+    model(*inputs); loss = loss_fn(out, target); del out; loss.backward()`` (the output dies
+    when the loss no longer needs it; the loss's own buffers count). The model is still
+    called as before and returns its output. Without ``loss_fn`` the step planned is the
+    forward and a backward from a dense output gradient, the output alive until the backward
+    ends (``plan.step`` says which). With ``pipeline``, the loss is the pipeline's
+    (``Pipeline(loss_fn=...)``) and ``target`` one microbatch's target of the last stage.
+
+    ``group``: under ``torch.distributed``, the process group whose ranks train one plan
+    (default: the default group; under a pipeline, none unless given: pass the stage's
+    data-parallel group). Every rank of it calls ``apply``; its first rank solves and
+    broadcasts the plan, and each other rank applies it after checking that it traced the
+    same step (:mod:`remat.executors.sac.agree`; a rank that differs raises
+    :class:`remat.PlanFileError`).
+
+    Order matters: apply remat before ``fully_shard``, DDP and ``torch.compile`` (it is
+    refused after them), and only once (:func:`unapply` first to re-plan).
+    """
+    req = request_of(request, flat)
+    _check_request(req)
+    _check_pipeline(req, pipeline, target, loss_fn)
+    _check_unwrapped(model)
+    shared = agree.group_of(group, pipeline)
+    if shared is None or req.plan is not None:  # a fixed plan or a file: nothing to solve
+        return _apply(model, example_inputs, example_kwargs, req, pipeline, loss_fn, target)
+
+    def solve(path: Path) -> None:
+        _apply(model, example_inputs, example_kwargs, req, pipeline, loss_fn, target)
+        save_plan(model, path)
+
+    def load(path: Path, first: int) -> None:
+        loaded = replace(req, plan=path, solver=None, activation_budget_bytes=None)
+        _apply(model, example_inputs, example_kwargs, loaded, pipeline, loss_fn, target)
+        state = applied(model)
+        plan = replace(state.plan, reason=agree.broadcast_reason(state.plan.reason, first))
+        model.__dict__[_STATE] = replace(state, plan=plan)
+
+    agree.agreed(shared, solve, load)
+    return model
+
+
+def _apply(
+    model: nn.Module,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    req: Request,
+    pipeline: Pipeline | None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    target: Any,
+) -> nn.Module:
+    """:func:`apply` on this rank alone, the request checked."""
+    args, kwargs = as_args(example_inputs), dict(example_kwargs or {})
+    if req.max_seq is not None:
+        args, kwargs, target = _at_longest(args, kwargs, target, req.max_seq)
+    loss = Loss.of(loss_fn, target)
+    device = req.device(model)
+    profile = get_profile(resolve_profile(model, req.device_profile))
+    options = req.training
+
+    t0 = time.perf_counter()
+    use_cache = _disable_kv_cache(model)
+    try:
+        blocks, chose = _find_blocks(model, req, pipeline, args, kwargs, profile, loss)
+        with device_errors(device):
+            problem, solution = _plan(
+                model,
+                blocks,
+                args,
+                kwargs,
+                req,
+                req.step_budget(device),
+                profile,
+                Stage(pipeline, target) if pipeline is not None else None,
+                loss,
+            )
+    except BudgetError as e:
+        _restore_kv_cache(model, use_cache)
+        if pipeline is None:
+            hint = autocast_cache_hint(options)
+            if hint is not None:
+                e.add_hint(hint)
+            raise
+        raise BudgetError(
+            e.budget_bytes,
+            e.least_peak_bytes,
+            f"pipeline {pipeline.describe()}: its least peak over a schedule step",
+            achievable=e.achievable,
+        ) from e
+    except BaseException:
+        _restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
+        raise
+    t1 = time.perf_counter()
+    chosen = replace(planner.to_plan(problem, solution), step=step_planned(loss, pipeline))
+    if chose:
+        chosen = replace(chosen, reason=f"{chose}; {chosen.reason}")
+    if AUTOCAST.get(options.precision) is not None and any(
+        p is not None for p in solution.policies
+    ):
+        chosen = replace(
+            chosen,
+            reason=f"{chosen.reason}; autocast's cast cache is off inside the checkpointed "
+            "regions (the same values; each 16-bit weight copy dies with its region, not at "
+            "the forward's end)",
+        )
+    if device is not None:
+        chosen = replace(chosen, device_memory=device.breakdown(chosen))
+
+    modules = dict(model.named_modules())
+    for path, policy in zip(problem.blocks, solution.policies, strict=True):
+        regions.wrap(modules[path], path, policy)
+    model.__dict__[_STATE] = Applied(
+        plan=chosen,
+        blocks=problem.blocks,
+        policies=solution.policies,
+        timings={"plan": t1 - t0},
+        use_cache=use_cache,
+        fingerprint=planner.fingerprint(problem),
+        describe={
+            "model": type(model).__name__,
+            "precision": options.precision,
+            "device_profile": profile.name,
+        },
+        options=solution.options,
+        eager_peak_bytes=problem.baseline.peak_bytes,
+        block_recompute_s=tuple(planner.costs(solution.trace).time_s),
+        scratch=solution.trace.scratch,
+        schedule=solution.trace.schedule,
+        eager_times_s=_times(problem.baseline),
+        eager_schedule=problem.baseline.schedule,
+    )
+    return model
+
+
+def _times(trace: StepTrace) -> tuple[float, float]:
+    """The estimated forward and backward (recompute included) time of ``trace``'s step."""
+    forward = sum(e.time_s for e in trace.events if e.phase == "forward")
+    return forward, sum(e.time_s for e in trace.events if e.phase != "forward")
+
+
+def _find_blocks(
+    model: nn.Module,
+    req: Request,
+    pipeline: Pipeline | None,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    profile: DeviceProfile,
+    loss: Loss | None,
+) -> tuple[tuple[str, ...], str]:
+    """The blocks, and how they were chosen where several sets compete ("" otherwise). For
+    a rank of a multi-stage schedule (an ``nn.ModuleList`` of its stages), by default each
+    stage's own."""
+    if pipeline is not None:
+        pipeline.check_modules(model)
+        if pipeline.stages_per_rank > 1 and not req.block_types:
+            return tuple(
+                f"{k}.{path}"
+                for k, stage in enumerate(model.children())
+                for path in regions.find_blocks(stage, ())
+            ), ""
+    if req.block_types:
+        return regions.find_blocks(model, req.block_types), ""
+    candidates = regions.block_candidates(model)
+    if len(candidates) == 1:
+        return candidates[0], ""
+    if req.is_plan_file():
+        assert isinstance(req.plan, (str, Path))
+        f = read_plan(req.plan)
+        saved = set(f.record.get("graph", {}).get("blocks", ()))
+        for blocks in candidates:  # the set the file was solved on
+            if set(_file_regions(f, model, blocks)) == saved:
+                return blocks, ""
+        return candidates[-1], ""  # its fingerprint then says it is for other blocks
+    return _least_peak_blocks(model, candidates, args, kwargs, req, profile, loss)
+
+
+def _least_peak_blocks(
+    model: nn.Module,
+    candidates: tuple[tuple[str, ...], ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    req: Request,
+    profile: DeviceProfile,
+    loss: Loss | None,
+) -> tuple[tuple[str, ...], str]:
+    """Of several sets of blocks (:func:`remat.executors.sac.regions.block_candidates`), the one
+    whose every block recomputed traces the least peak, ties to the finest: which level of a
+    nested stack (Swin's stages or their layers) lets a plan go lowest depends on the model,
+    so each is traced once, as it would be planned."""
+    progress = req.progress or (lambda _: None)
+    peaks: list[int] = []
+    failed: list[TraceError] = []
+    for blocks in candidates:
+        where = f"{len(blocks)} blocks from {regions.describe_blocks(blocks)}"
+        try:
+            traced, problem = analyze(model, blocks, args, kwargs, req, profile, loss=loss)
+            policies = planner.fixed_policies(problem, "block")
+            peaks.append(traced.trace(args, kwargs, policies).peak_bytes)
+        except TraceError as e:  # e.g. experts the example's routing never calls
+            progress(f"native: {where} cannot be the regions ({e})")
+            failed.append(e)
+            peaks.append(-1)
+            continue
+        progress(f"native: {where}: least peak {peaks[-1]:,} B (every block recomputed)")
+    if len(failed) == len(candidates):
+        raise failed[0]
+    best = min((k for k in range(len(candidates)) if peaks[k] >= 0), key=lambda k: (peaks[k], -k))
+    others = ", ".join(
+        f"{len(c)} from {regions.describe_blocks(c)}: "
+        + (f"{p:,} B" if p >= 0 else "not all called")
+        for k, (c, p) in enumerate(zip(candidates, peaks, strict=True))
+        if k != best
+    )
+    blocks = candidates[best]
+    return blocks, (
+        f"blocks: the {len(blocks)} in {regions.describe_blocks(blocks)}, whose every block "
+        f"recomputed traces the least peak ({peaks[best]:,} B; {others})"
+    )
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage's place (:class:`Pipeline`) and one microbatch's target."""
+
+    pipeline: Pipeline
+    target: Any = None
+
+
+def step_planned(loss: Loss | None, pipeline: Pipeline | None = None) -> str:
+    """What a plan's peak covers (:attr:`remat.Plan.step`)."""
+    if pipeline is not None:
+        return f"one schedule step of {pipeline.describe()}, the pipeline's loss included"
+    if loss is not None:
+        return STEP_WITH_LOSS
+    return STEP_WITHOUT_LOSS
+
+
+def _check_pipeline(
+    req: Request, pipeline: Pipeline | None, target: Any, loss_fn: Any = None
+) -> None:
+    if pipeline is None:
+        if target is not None and loss_fn is None:
+            raise ValueError(
+                "target is the loss's: pass loss_fn= too (loss = loss_fn(output, target))"
+            )
+        return
+    if loss_fn is not None:
+        raise ValueError(
+            "a pipeline stage's loss is the pipeline's: remat.Pipeline(..., loss_fn=...), "
+            "not remat.apply(..., loss_fn=...)"
+        )
+    if AUTOCAST.get(req.training.precision) is not None:
+        raise ValueError(
+            f"a pipeline stage is planned without autocast for now, not {req.training.precision}"
+        )
+    if pipeline.last and target is None:
+        raise ValueError(
+            f"stage {pipeline.n_stages - 1} is the last: pass one microbatch's target "
+            "(remat.apply(..., target=...)) for its loss"
+        )
+    if not pipeline.last and target is not None:
+        raise ValueError(f"only the last stage takes a target, not stage {pipeline.stage}")
+
+
+def _check_request(req: Request) -> None:
+    if req.solver not in (None, "auto", *NATIVE_SOLVERS):
+        raise ValueError(
+            f"unknown native solver {req.solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"
+        )
+    if req.training.precision not in (*AUTOCAST, *FSDP_PARAM_DTYPES):
+        raise ValueError(
+            f"unknown precision {req.training.precision!r}; valid: {', '.join(PRECISIONS)}"
+        )
+    if req.seq_buckets:
+        raise ValueError(
+            "seq_buckets is for remat.optimize: remat.apply's policies run every length "
+            "(pass max_seq alone)"
+        )
+    if isinstance(req.plan, Plan):
+        raise ValueError(
+            "remat.apply takes a fixed plan's name or a plan file from remat.save_plan, not a "
+            "Plan object of remat.optimize's executor"
+        )
+
+
+def _at_longest(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, max_seq: int
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """The example inputs and the loss's target tiled to ``max_seq`` along their sequence
+    dimension (the target as the inputs: where its dimensions have their sizes)."""
+    dims = sequence_dims(args, kwargs, max_seq)
+    a, kw = inputs_at((*args, target), kwargs, dims, dims.batch, max_seq)
+    return a[:-1], dict(kw), a[-1]
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A model's step as the ``sac`` executor runs it, traced on a copy: the copy, and how
+    every trace of it is taken (profile, autocast)."""
+
+    fake: FakeModel
+    profile: DeviceProfile
+    autocast: torch.dtype | None
+
+    def trace(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        policies: Any,
+        schedule: bool = True,
+        **stage: Any,
+    ) -> StepTrace:
+        """``stage``: a pipeline stage's ``target`` and ``schedule_events``
+        (:meth:`FakeModel.trace`)."""
+        return self.fake.trace(
+            args,
+            kwargs,
+            policies,
+            profile=self.profile,
+            autocast=self.autocast,
+            schedule=schedule,
+            **stage,
+        )
+
+
+def analyze(
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    req: Request,
+    profile: DeviceProfile,
+    *,
+    fsdp_units: tuple[str, ...] | None = None,
+    stage: Stage | None = None,
+    reuse: FakeModel | None = None,
+    loss: Loss | None = None,
+) -> tuple[Traced, planner.NativeProblem]:
+    """The step with every region (``blocks``) eager, traced on a FakeTensor copy of
+    ``model`` (sharded with FSDP2 for ``zero_stage=3`` over several ranks: ``fsdp_units``, by
+    default the regions), or on a real copy of a CPU model whose step FakeTensors cannot run.
+    ``reuse``: an earlier analysis's copy of ``model``, given other regions where its FSDP2
+    units are these (:meth:`FakeModel.with_regions`). The regions are put in the order their
+    forwards run. The model's KV cache must be off."""
+    options = req.training
+    precision = options.precision
+    autocast, mp = AUTOCAST.get(precision), FSDP_PARAM_DTYPES.get(precision)
+    fsdp = options.world_size if options.zero_stage == 3 and options.world_size > 1 else None
+
+    def traced_on(real: bool) -> tuple[FakeModel, planner.NativeProblem]:
+        fake = FakeModel(
+            model,
+            blocks,
+            real=real,
+            fsdp_world=fsdp,
+            fsdp_param_dtype=mp,
+            fsdp_units=fsdp_units,
+            pipeline=stage.pipeline if stage is not None else None,
+            target=stage.target if stage is not None else None,
+            loss=loss,
+        )
+        return fake, planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+
+    if reuse is not None and reuse.units == (fsdp_units or blocks):
+        fake = reuse.with_regions(blocks)
+        problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=autocast)
+        return Traced(fake, profile, autocast), problem
+    try:
+        fake, problem = traced_on(real=False)
+    except TraceError as e:
+        if stage is not None or not _real_fallback(model):
+            raise
+        if req.progress:
+            req.progress(f"tracing on a real copy of the model: {e}")
+        fake, problem = traced_on(real=True)
+    return Traced(fake, profile, autocast), problem
+
+
+Analyzed = tuple[planner.NativeProblem, planner.Tracer, shallow.UniformCosts | None]
+"""A step traced with every region eager, how to trace it under other policies, and how to
+cost its uniform plans on shallow copies (None: a pipeline stage, or a real copy)."""
+
+
+def _plan(
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    req: Request,
+    step_budget: int | None,
+    profile: DeviceProfile,
+    stage: Stage | None = None,
+    loss: Loss | None = None,
+) -> tuple[planner.NativeProblem, planner.Solution]:
+    """Trace the step with every region eager, then solve (or load, or fix) the policies.
+    A solver plans on the blocks and the modules outside them
+    (:func:`remat.executors.sac.regions.outside_blocks`; on the blocks alone where those cannot be
+    regions); where that recomputes, ``auto`` also plans with each block's sub-modules in
+    place of the blocks (:func:`remat.executors.sac.regions.split_blocks`): the cheaper traced plan
+    that fits wins, on steps of up to :data:`FINER_PASS_EVENTS` events. Each pass runs the
+    exact MILP first, and the chain DP as its fallback; the blocks' pass also asks the chain
+    DP (or, where its traces are many, the per-block family) for a second opinion
+    (:func:`planner.solve`). Which passes and solvers run depends on the
+    model and the budget, never on the clock: the time limit is each solver's counted work
+    (:mod:`remat.solver.clock`).
+    Fixed plans are the blocks'."""
+    plan = req.plan
+    first: FakeModel | None = None  # the model's first copy, which a finer pass reuses
+
+    def on(
+        regions_: tuple[str, ...], of: nn.Module = model, units: tuple[str, ...] = blocks
+    ) -> Analyzed:
+        nonlocal first
+        traced, problem = analyze(
+            of,
+            regions_,
+            args,
+            kwargs,
+            req,
+            profile,
+            fsdp_units=units,
+            stage=stage,
+            reuse=first if of is model else None,
+            loss=loss,
+        )
+        if of is model and first is None:
+            first = traced.fake
+        uniform = None
+        if stage is None and not traced.fake.real:  # a stack of blocks, else None
+            uniform = uniform_costs(of, regions_, units, args, kwargs, req, profile, loss)
+        return (
+            problem,
+            lambda policies, schedule=True: traced.trace(args, kwargs, policies, schedule),
+            uniform,
+        )
+
+    if req.is_plan_file():
+        assert isinstance(plan, (str, Path))
+        f = read_plan(plan)
+        problem, tracer, _ = on(_file_regions(f, model, blocks))
+        return problem, _from_file(problem, f, plan, tracer)
+    if isinstance(plan, str):
+        problem, tracer, _ = on(blocks)
+        solution = planner.fixed(problem, plan, tracer)
+        if step_budget is not None and solution.trace.peak_bytes > step_budget:
+            raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
+        return problem, solution
+    solver, config = req.solver or "auto", req.solver_config()
+    progress = config.progress or (lambda _: None)
+    outside = regions.outside_blocks(model, blocks)
+
+    def solved(
+        regions_: tuple[str, ...], analyzed: Analyzed | None = None, second: bool = True
+    ) -> tuple[planner.NativeProblem, planner.Solution]:
+        """The plan on ``regions_``, each solver with the request's time limit of work
+        (``second``: :func:`planner.solve`'s ``second_opinions``)."""
+        problem, tracer, uniform = analyzed or on(regions_)
+        return problem, planner.solve(
+            problem,
+            tracer,
+            budget_bytes=step_budget,
+            config=config,
+            solver=solver,
+            uniform=uniform,
+            milp_first=True,
+            second_opinions=second,
+        )
+
+    best: tuple[planner.NativeProblem, planner.Solution] | None = None
+    error: BudgetError | None = None
+    analyzed: Analyzed | None = None
+    try:
+        if outside:
+            outside, analyzed = _worth_a_region(on, model, blocks, outside, progress, stage)
+    except TraceError as e:
+        progress(f"native: the modules outside the blocks cannot be regions ({e})")
+        outside = ()
+    try:
+        best = solved(blocks + outside, analyzed)
+    except BudgetError as e:
+        error = e
+    split = regions.split_blocks(model, blocks)
+    if solver != "auto" or step_budget is None or len(split) <= len(blocks):
+        return _best(best, error)
+    if best is not None and best[1].trace.recompute_time_s == 0:
+        return best
+    events = len(best[0].baseline.events) if best is not None else 0
+    if best is not None and events > FINER_PASS_EVENTS:
+        # A count, not the time left: the plan must not depend on the machine's load.
+        progress(
+            f"native: the step has {events:,} events (more than {FINER_PASS_EVENTS:,}): the "
+            "blocks' sub-modules are not planned, the blocks' plan stands"
+        )
+        return best
+    progress(f"native: planning again on the blocks' sub-modules ({len(split)} regions)")
+    try:
+        finer, solution = solved(split + outside, second=best is None)
+    except BudgetError as e:
+        if error is None or e.least_peak_bytes < error.least_peak_bytes:
+            error = e
+        return _best(best, error)
+    except TraceError as e:  # a sub-module the step does not call, say: the blocks' plan
+        progress(f"native: the sub-modules cannot be regions ({e})")
+        return _best(best, error)
+    solution = replace(
+        solution, reason=f"regions: the blocks' {len(split)} sub-modules; {solution.reason}"
+    )
+    if best is None or _cost(solution) < _cost(best[1]):
+        return finer, solution
+    return best
+
+
+FINER_PASS_EVENTS = 20_000
+"""Events of the blocks' eager step above which the finer pass (each block's sub-modules as
+regions) is not run: it traces the step again with several times the regions and solves a
+finer MILP. A count, so that the plan never depends on the machine's load."""
+
+
+def uniform_costs(
+    model: nn.Module,
+    regions_: tuple[str, ...],
+    units: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    req: Request,
+    profile: DeviceProfile,
+    loss: Loss | None = None,
+) -> shallow.UniformCosts | None:
+    """How the chain DP costs the uniform plans of ``model`` (its ``regions_``, FSDP2
+    ``units``) on two shallow copies (:mod:`remat.executors.sac.shallow`), each analyzed as the
+    model is; None where the regions are not a ModuleList's children (sub-modules)."""
+
+    def copy_of(
+        copy: nn.Module, copy_regions: tuple[str, ...], copy_units: tuple[str, ...]
+    ) -> Callable[[str], StepTrace]:
+        traced, problem = analyze(
+            copy, copy_regions, args, kwargs, req, profile, fsdp_units=copy_units, loss=loss
+        )
+        plans = planner.uniform_plans(problem)
+        return lambda name: traced.trace(args, kwargs, plans[name])
+
+    return shallow.uniform_costs(model, regions_, units, copy_of, req.workers)
+
+
+def _worth_a_region(
+    on: Callable[..., Analyzed],
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    outside: tuple[str, ...],
+    progress: Callable[[str], object],
+    stage: Stage | None = None,
+) -> tuple[tuple[str, ...], Analyzed | None]:
+    """The modules of ``outside`` whose recomputation holds less from their forward to their
+    backward than running them eagerly, measured by one trace with only those recomputed;
+    and the step analyzed on the blocks and them, where all are measured so. Why: an
+    embedding saves nothing but its indices and a checkpoint saves the RNG state (5 KiB of
+    CPU state per region), so recomputing one gains nothing; left out, it cannot hold a plan
+    above the blocks' least peak. What a module outside the blocks holds does not depend on
+    how many blocks run between them: on a deep stack (:data:`shallow.MIN_REGIONS` regions)
+    it is measured on a copy with :data:`shallow.SHALLOW` ``[0]`` blocks."""
+    useful: tuple[str, ...] | None = None
+    analyzed: Analyzed | None = None
+    if stage is None and len(blocks) + len(outside) >= shallow.MIN_REGIONS:
+        try:
+            copy, kept = shallow.truncated(model, blocks + outside, shallow.SHALLOW[0])
+            useful = _held_less(on(kept, copy, tuple(p for p in kept if p in blocks)), outside)
+        except FitError:  # the blocks are not a ModuleList's children
+            pass
+        except Exception as e:  # any failure of the copy: the model's own trace decides
+            progress(f"native: the modules outside the blocks measured on the model ({e})")
+    if useful is None:
+        analyzed = on(blocks + outside)
+        useful = _held_less(analyzed, outside)
+    if useful == outside:
+        return outside, analyzed
+    left = ", ".join(p for p in outside if p not in useful)
+    progress(f"native: recomputing {left} (outside the blocks) gains nothing: kept eager")
+    return useful, None
+
+
+def _held_less(analyzed: Analyzed, outside: tuple[str, ...]) -> tuple[str, ...]:
+    """The modules of ``outside`` (regions of ``analyzed``) that hold less from their forward
+    to their backward recomputed than eager: one trace with only those recomputed."""
+    problem, tracer, _ = analyzed
+    trace = tracer(
+        [
+            None
+            if path not in outside
+            else planner.required_keys(problem.streams[problem.class_of(k)])
+            for k, path in enumerate(problem.blocks)
+        ],
+        schedule=False,  # what a region holds is one microbatch's: no pipeline step needed
+    )
+
+    def held(t: StepTrace, path: str) -> int:
+        start, end = t.forward_live[problem.blocks.index(path)]
+        return end - start
+
+    return tuple(p for p in outside if held(trace, p) < held(problem.baseline, p))
+
+
+def _cost(solution: planner.Solution) -> tuple[float, int]:
+    return solution.trace.added_time_s, solution.trace.peak_bytes
+
+
+def _best(
+    best: tuple[planner.NativeProblem, planner.Solution] | None, error: BudgetError | None
+) -> tuple[planner.NativeProblem, planner.Solution]:
+    if best is None:
+        assert error is not None
+        raise error from None  # the least peak of both passes, not a chain of two
+    return best
+
+
+def _file_regions(f: PlanFile, model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
+    """The regions a native plan file was solved on, where they are regions :func:`_plan`
+    plans on (the blocks or their sub-modules, and modules outside the blocks), in module
+    order (the trace puts them in the order the forward runs them, as when it was solved);
+    otherwise the blocks, whose fingerprint then says the file is for another model."""
+    saved = set(f.record.get("graph", {}).get("blocks", ()))
+    split, outside = regions.split_blocks(model, blocks), regions.outside_blocks(model, blocks)
+    for inner in (blocks, split):
+        if set(inner) <= saved <= set(inner) | set(outside):
+            return tuple(p for p in (*inner, *outside) if p in saved)
+    return blocks
+
+
+@contextlib.contextmanager
+def kv_cache_off(model: nn.Module) -> Iterator[None]:
+    """The model's KV caches off while remat traces it, restored after (see
+    :func:`_disable_kv_cache`)."""
+    previous = _disable_kv_cache(model)
+    try:
+        yield
+    finally:
+        _restore_kv_cache(model, previous)
+
+
+def save_plan(model: nn.Module, path: str | Path) -> Path:
+    """Write ``model``'s plan (from :func:`apply`) as JSON, with a fingerprint of its blocks'
+    op streams, for ``remat.apply(model, inputs, plan=path)`` to re-apply without solving."""
+    state = applied(model)
+    graph: dict[str, Any] = {"executor": NATIVE, "blocks": list(state.blocks), **state.describe}
+    replayed = [
+        p
+        for p, policy in zip(state.blocks, state.policies, strict=True)
+        if isinstance(policy, regions.FullReplay)
+    ]
+    if replayed:  # regions replayed whole (torchtitan_op): the file runs them so again
+        graph["full_replay"] = replayed
+    return write_document(document(state.plan, state.fingerprint, graph), path)
+
+
+def _from_file(
+    problem: planner.NativeProblem, f: PlanFile, path: str | Path, tracer: Any
+) -> planner.Solution:
+    f = load(
+        path,
+        read=f,
+        executor=NATIVE,
+        fingerprint=planner.fingerprint(problem),
+        difference=lambda record: (
+            f"other blocks or shapes (regions there: {len(record['graph'].get('blocks', []))}, "
+            f"here: {len(problem.blocks)})"
+        ),
+    )
+    try:
+        policies = planner.policies_from_saved(problem, f.saved)
+    except ValueError as e:
+        raise PlanFileError(f"plan file {path}: {e}") from None
+    replayed = set(f.record["graph"].get("full_replay", ()))
+    policies = tuple(
+        regions.FullReplay(policy) if path in replayed and policy is not None else policy
+        for path, policy in zip(problem.blocks, policies, strict=True)
+    )
+    return planner.Solution(
+        policies,
+        tracer(policies),
+        f.solver.removeprefix("native:"),  # the file records the plan's name, prefixed
+        f"loaded from {path} ({f.reason})",
+        f.proof,
+        tuple("from file" for _ in policies),
+    )
+
+
+def _restore_kv_cache(model: nn.Module, previous: tuple[str, ...]) -> None:
+    modules = dict(model.named_modules())
+    for path in previous:
+        modules[path].config.use_cache = True  # type: ignore[union-attr]
+
+
+def _real_fallback(model: nn.Module) -> bool:
+    """Whether a step that cannot run on FakeTensors may be traced on a real copy: only for
+    a model on the CPU (a copy there is cheap next to what it plans; on an accelerator it
+    would take the device memory the plan is for)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(t.device.type == "cpu" and not is_fake(t) for t in tensors)
+
+
+def _disable_kv_cache(model: nn.Module) -> tuple[str, ...]:
+    """Turn the KV cache off (``config.use_cache``) in every Hugging Face model inside
+    ``model`` -- the model itself or one a training wrapper calls -- as
+    ``gradient_checkpointing_enable()`` does in training: a cache updated inside a block makes
+    the recomputation differ from the forward (it concatenates the forward's keys again, and
+    SAC stops at an op the forward did not run). Returns the paths of the modules whose
+    configuration had it on (a configuration shared by several, once)."""
+    turned_off: list[str] = []
+    seen: set[int] = set()
+    for path, m in model.named_modules():
+        config = getattr(m, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            turned_off.append(path)
+    return tuple(turned_off)
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: every block runs its own forward again. Returns ``model``."""
+    if _STATE not in model.__dict__:
+        raise ValueError(f"{type(model).__name__} has no remat plan to remove")
+    for m, _ in list(regions.iter_regions(model)):
+        regions.unwrap(m)
+    state = model.__dict__.pop(_STATE)
+    _restore_kv_cache(model, state.use_cache)
+    return model
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    name = type(model).__name__
+    if _find_state(model) is not None or any(True for _ in regions.iter_regions(model)):
+        raise BlockError(
+            f"{name} already has a remat plan: call remat.unapply(model) before applying again"
+        )
+    if isinstance(model, tc.OptimizedModule):
+        raise BlockError(
+            f"{name} is compiled: apply remat to the model first, then torch.compile it"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise BlockError(
+            f"{name} is already wrapped by DistributedDataParallel: apply remat to the model "
+            "first (remat.apply(model, ...)), then wrap it with DDP"
+        )
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise BlockError(
+            f"{name} is already sharded with fully_shard: apply remat first "
+            "(remat.apply(model, ...)), then fully_shard each block and the root, then compile"
+        )

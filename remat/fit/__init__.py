@@ -1,0 +1,49 @@
+"""Will it fit? A step's peak as an exact formula in batch and sequence length, and from it
+the longest sequence and the largest batch each plan fits in a device budget.
+
+:mod:`~remat.fit.table` (``remat.fit.fit``) answers for one model,
+:mod:`~remat.fit.pipeline` (``remat.fit_pipeline``) for every rank of a pipeline;
+:mod:`~remat.fit.formula` (``remat.memory_formula``) gives the formula. The whole-graph
+executor's step comes from concrete captures (:mod:`~remat.fit.graph_shapes`), the ``sac``
+executor's from traces (:mod:`~remat.fit.sac_shapes`, :mod:`~remat.fit.sac_formula`), deep
+stacks from two shallow copies (:mod:`~remat.fit.deep`), on several cores
+(:mod:`~remat.fit.workers`).
+
+The names below are loaded on first use: the executors import this package's shape
+fitting, and :mod:`~remat.fit.table` imports the executors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from remat.fit.formula import memory_formula
+    from remat.fit.peak import MemoryFormula
+    from remat.fit.pipeline import PipelineFitReport, fit_pipeline
+    from remat.fit.table import FitReport, fit
+
+__all__ = [
+    "FitReport",
+    "MemoryFormula",
+    "PipelineFitReport",
+    "fit",
+    "fit_pipeline",
+    "memory_formula",
+]
+
+_HOME = {
+    "FitReport": "remat.fit.table",
+    "fit": "remat.fit.table",
+    "MemoryFormula": "remat.fit.peak",
+    "memory_formula": "remat.fit.formula",
+    "PipelineFitReport": "remat.fit.pipeline",
+    "fit_pipeline": "remat.fit.pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'remat.fit' has no attribute {name!r}")

@@ -1,1 +1,0 @@
-"""The torch side: capture, joint graph, costs, and the solver-facing problem."""
