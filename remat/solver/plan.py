@@ -77,9 +77,8 @@ class Plan:
         """Peak bytes allocated during one training step (forward and backward, parameter
         gradients included; parameters and optimizer state excluded) at the allocator: live
         storages plus the running kernel's scratch, where it was measured
-        (:mod:`remat.measure.scratch`; the problem's ``metadata["scratch"]`` says where). Budgets
-        are
-        enforced against it."""
+        (:mod:`remat.measure.scratch`; the problem's ``metadata["scratch"]`` says where).
+        Budgets are enforced against it."""
         return self.simulation.peak_bytes
 
     @property

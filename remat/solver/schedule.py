@@ -1,8 +1,7 @@
 """The executor's exact order, as a pure function of a problem and a saved set.
 
 Both the simulator (:mod:`remat.solver.simulate`) and the rewriter (:mod:`remat.executors.graph`)
-call
-:func:`build_schedule`, so the order remat predicts is by construction the order it runs.
+call :func:`build_schedule`, so the order remat predicts is by construction the order it runs.
 
 The executor:
 

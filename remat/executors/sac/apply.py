@@ -25,7 +25,7 @@ from typing_extensions import Unpack
 from remat import _torch_compat as tc
 from remat._torch_compat import is_fake
 from remat.budget import PRECISIONS, autocast_cache_hint
-from remat.executors.sac import agree, planner, regions, shallow
+from remat.executors.sac import agree, planner, policies, regions, shallow
 from remat.executors.sac.regions import BlockError
 from remat.executors.sac.state import _STATE, Applied, _find_state, applied
 from remat.executors.sac.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
@@ -734,7 +734,7 @@ def _held_less(analyzed: Analyzed, outside: tuple[str, ...]) -> tuple[str, ...]:
         [
             None
             if path not in outside
-            else planner.required_keys(problem.streams[problem.class_of(k)])
+            else policies.required_keys(problem.streams[problem.class_of(k)])
             for k, path in enumerate(problem.blocks)
         ],
         schedule=False,  # what a region holds is one microbatch's: no pipeline step needed

@@ -269,9 +269,8 @@ def _cast_cache_off() -> Iterator[None]:
 
 _observers: list[Callable[[Region, bool], Any]] = []
 """Context-manager factories entered around every run of a region's forward (the forward
-itself with ``False``, a recomputation with ``True``): how :mod:`remat.executors.sac.trace` labels
-ops.
-Empty in training: the check costs one list lookup."""
+itself with ``False``, a recomputation with ``True``): how :mod:`remat.executors.sac.trace`
+labels ops. Empty in training: the check costs one list lookup."""
 
 
 _policy_calls: list[Callable[[bool], None]] = []

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import remat
-from remat.executors.sac import planner, regions
+from remat.executors.sac import planner, regions, traced_chain
 from remat.executors.sac.trace import FakeModel, TraceError
 from remat.measure.meter import measure_step
 from remat.measure.profiles import get_profile
@@ -66,7 +66,7 @@ def test_sac_dispatch_is_counted_from_the_dataflow_as_the_policies_are_called(na
     sac = problem.dataflow
     candidates = executor.executor_of(sac).candidates(sac)
     for o in range(1, n_opts):
-        option = planner._policies(options_of, [o] * len(problem.blocks))
+        option = traced_chain._policies(options_of, [o] * len(problem.blocks))
         solution = planner.Solution(tuple(option), problem.baseline, "t", "", Proof.HEURISTIC)
         saved = planner.to_plan(problem, solution).saved
         # As the planner runs a solver's plan: what the executor keeps, as policies.

@@ -17,7 +17,7 @@ import torch
 
 import remat
 from remat.executors.sac import apply as native_api
-from remat.executors.sac import planner
+from remat.executors.sac import planner, traced_chain
 from remat.executors.sac.apply import analyze
 from remat.executors.sac.events import StepTrace
 from remat.executors.sac.regions import find_blocks
@@ -67,12 +67,13 @@ def test_a_stitched_plans_recompute_is_the_sum_of_its_blocks(analyzed: tuple[Any
     problem, tracer, _ = analyzed
     options_of, _, n_opts = planner.menus_of(problem)
     table = [
-        planner.costs(tracer(planner._policies(options_of, [o] * LAYERS))) for o in range(n_opts)
+        planner.costs(tracer(traced_chain._policies(options_of, [o] * LAYERS)))
+        for o in range(n_opts)
     ]
     rng = random.Random(0)
     for _ in range(6):
         choice = [rng.randrange(n_opts) for _ in range(LAYERS)]
-        trace = tracer(planner._policies(options_of, choice))
+        trace = tracer(traced_chain._policies(options_of, choice))
         # Roofline estimates from the ops' FLOPs and bytes, not timings.
         assert trace.added_time_s > 0 or not any(choice)
         assert trace.added_time_s == pytest.approx(chain_time(table, choice), rel=1e-12)
@@ -86,16 +87,16 @@ def test_skipping_choices_costlier_than_a_fitting_plan_leaves_the_answer(
     search tracing them all, and it traced fewer plans in all."""
     problem, tracer, _ = analyzed
     config = SolverConfig()
-    fit = planner._fit
+    fit = traced_chain._fit
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     most = problem.baseline.peak_bytes
     skipped = 0
     for i in range(1, 5):
         budget = least + (most - least) * i // 5
         with monkeypatch.context() as m:  # the search without the skip
-            m.setattr(planner, "_fit", lambda *a: fit(*a[:4], lambda: math.inf))
-            whole, traced_all = planner._chain(problem, tracer, budget, config)
-        screened, traced = planner._chain(problem, tracer, budget, config)
+            m.setattr(traced_chain, "_fit", lambda *a: fit(*a[:4], lambda: math.inf))
+            whole, traced_all = traced_chain.chain_solution(problem, tracer, budget, config)
+        screened, traced = traced_chain.chain_solution(problem, tracer, budget, config)
         assert isinstance(whole, planner.Solution) and isinstance(screened, planner.Solution)
         assert screened.options == whole.options
         assert screened.trace.peak_bytes == whole.trace.peak_bytes <= budget
@@ -134,7 +135,7 @@ def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_where_cheap(
     assert milp is not None and lone.policies == milp.policies
     assert "no second opinion" in lone.reason and "per-block family" not in lone.reason
     monkeypatch.setattr(planner, "_milp", lambda *args: None)
-    chain, _ = planner._chain(problem, tracer, budget, config)
+    chain, _ = traced_chain.chain_solution(problem, tracer, budget, config)
     assert isinstance(chain, planner.Solution)
     for second in (True, False):
         fallback = planner.solve(
@@ -160,7 +161,7 @@ def test_the_chain_dp_s_work_limit_cuts_its_budgets_and_says_so(
     monkeypatch.setattr(clock, "TRACED_EVENT_S", 1.0)  # each trace: seconds of work
     config = SolverConfig(time_limit_s=1.5)
     with clock.planning(config):
-        chain, _ = planner._chain(problem, tracer, budget, config)
+        chain, _ = traced_chain.chain_solution(problem, tracer, budget, config)
     assert isinstance(chain, planner.Solution) and chain.trace.peak_bytes <= budget
     assert "the time limit (counted work) cut the DP after 1 of" in chain.reason
 
@@ -213,6 +214,7 @@ def test_apply_s_passes_do_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPat
     idle = planned()
     monkeypatch.setattr(native_api, "time", _Ticking())
     monkeypatch.setattr(planner, "time", _Ticking())
+    monkeypatch.setattr(traced_chain, "time", _Ticking())
     ticking = planned()
     assert ticking.saved == idle.saved
     assert ticking.predicted_peak_bytes == idle.predicted_peak_bytes
@@ -242,7 +244,7 @@ def test_auto_is_never_worse_than_megatron_s_per_block_family(
     least, most = family[-1].peak_bytes, problem.baseline.peak_bytes
     for budget in (least + (most - least) * i // 5 for i in range(1, 5)):
         megatron = min(t.added_time_s for t in family if t.peak_bytes <= budget)
-        bisected, _ = planner._per_block(problem, tracer, budget)
+        bisected, _ = traced_chain.per_block(problem, tracer, budget)
         assert bisected is not None and bisected.trace.added_time_s == megatron
         auto = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
         assert auto.trace.peak_bytes <= budget
@@ -260,7 +262,7 @@ def test_the_per_block_family_is_bisected_below_a_plan_to_beat(
     n = len(problem.blocks)
     least = tracer(every).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
-    plain, _ = planner._per_block(problem, tracer, budget)
+    plain, _ = traced_chain.per_block(problem, tracer, budget)
     assert plain is not None and plain.trace.added_time_s > 0
     cost = plain.trace.added_time_s
 
@@ -269,11 +271,11 @@ def test_the_per_block_family_is_bisected_below_a_plan_to_beat(
         trace: Any = _Recompute(recompute_s)
         return planner.Solution((None,) * n, trace, "exact", "", Proof.HEURISTIC)
 
-    above, _ = planner._per_block(problem, tracer, budget, beat(cost * 1.01))
+    above, _ = traced_chain.per_block(problem, tracer, budget, beat(cost * 1.01))
     assert above is not None and above.policies == plain.policies
-    level, _ = planner._per_block(problem, tracer, budget, beat(cost))
+    level, _ = traced_chain.per_block(problem, tracer, budget, beat(cost))
     assert level is None
-    nothing, _ = planner._per_block(problem, tracer, budget, beat(0.0))
+    nothing, _ = traced_chain.per_block(problem, tracer, budget, beat(0.0))
     assert nothing is None
 
 

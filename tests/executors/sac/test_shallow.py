@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat.executors.sac import planner, shallow
+from remat.executors.sac import planner, shallow, traced_chain
 from remat.executors.sac.apply import _worth_a_region, analyze, kv_cache_off, uniform_costs
 from remat.executors.sac.regions import find_blocks, outside_blocks
 from remat.executors.sac.shallow import MIN_REGIONS, truncated
@@ -40,7 +40,7 @@ def test_uniform_plans_costed_on_copies_are_the_models_and_so_is_the_answer(
     the chain DP at a budget between the least and the eager peak returns the same plan
     either way. (7 blocks: the chain DP costs on copies from 12, where they cost less than
     one trace of the model; the arithmetic is the same at any depth.)"""
-    monkeypatch.setattr(planner, "MIN_REGIONS", LAYERS)
+    monkeypatch.setattr(traced_chain, "MIN_REGIONS", LAYERS)
     torch.manual_seed(0)
     model = TinyGPT(vocab=128, dim=64, heads=4, layers=LAYERS, seq=32).train()
     args = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
@@ -64,8 +64,8 @@ def test_uniform_plans_costed_on_copies_are_the_models_and_so_is_the_answer(
 
     config = SolverConfig()
     whole, copies = (
-        planner._chain(problem, tracer, budget, config, c)[0]
-        for c in (None, planner._copies(problem, uniform, print))
+        traced_chain.chain_solution(problem, tracer, budget, config, c)[0]
+        for c in (None, traced_chain.shallow_copies(problem, uniform, print))
     )
     assert isinstance(whole, planner.Solution) and isinstance(copies, planner.Solution)
     assert copies.options == whole.options and copies.policies == whole.policies
@@ -89,14 +89,14 @@ def test_a_peak_between_ops_is_no_copy_s_and_the_model_is_traced(
     """On the CPU profile (this CPU model's own allocator: RNG states and FSDP2's resized
     parameters are host memory) the ZeRO-3 step's peak falls between ops, a moment the
     copies do not extrapolate: the eager plan's check sees it and the model is traced."""
-    monkeypatch.setattr(planner, "MIN_REGIONS", LAYERS)
+    monkeypatch.setattr(traced_chain, "MIN_REGIONS", LAYERS)
     model, args = _model()
     req = Request.of(zero_stage=3, world_size=4, device_profile="cpu")
     seen: list[str] = []
     with kv_cache_off(model):
         _, problem, uniform = _analyzed(model, args, req)
-        copies = planner._copies(problem, uniform, seen.append)
-        assert planner._shallow_costs(problem, copies, seen.append) is None
+        copies = traced_chain.shallow_copies(problem, uniform, seen.append)
+        assert traced_chain._shallow_costs(problem, copies, seen.append) is None
     assert "the copies' eager step is not the model's" in seen[-1], seen
 
 
@@ -127,7 +127,7 @@ def test_a_stack_its_copies_cannot_stand_for_is_traced_itself() -> None:
     _, problem = analyze(model, blocks, args, {}, req, profile)
     seen: list[str] = []
     uniform = uniform_costs(model, blocks, blocks, args, {}, req, profile)
-    assert planner._copies(problem, uniform, seen.append) is None
+    assert traced_chain.shallow_copies(problem, uniform, seen.append) is None
     assert "the copies do not stand for the model" in seen[-1]
     assert f"built with {MIN_REGIONS} layers, has 5" in seen[-1]
 
