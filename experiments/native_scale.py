@@ -36,12 +36,12 @@ from experiments.rows import save, show  # noqa: E402
 
 def _run(budget_gb: float, mode: str, copies: bool, time_limit: float) -> dict[str, Any]:
     import remat
-    from remat.executors.sac import planner, shallow
+    from remat.executors.sac import planner, shallow, traced_chain
     from remat.executors.sac.state import applied
     from remat.presets import build
 
     if not copies:  # no copies: the uniform plans and the outside modules on the model
-        planner.MIN_REGIONS = shallow.MIN_REGIONS = 10**9  # type: ignore[misc]
+        traced_chain.MIN_REGIONS = shallow.MIN_REGIONS = 10**9  # type: ignore[misc]
     if mode == "chain DP alone":
         planner._milp = lambda *args: None  # type: ignore[assignment]
     marks: dict[str, float] = {}

@@ -2,7 +2,7 @@
 
 Small, on CPU (no processes: each rank is traced through PyTorch's schedule on a fake process
 group, as ``remat.apply(..., pipeline=...)`` does; the 2- and 4-rank checks of these
-predictions are ``tests/parallel/test_pipelining.py`` and ``test_tensor_parallel.py``): a GPT
+predictions are ``tests/parallel/test_pipelining.py`` and ``tests/parallel/test_tensor_ranks.py``): a GPT
 decoder of 8 blocks (``tests.zoo.GPTStage``, dropout on), 8 and 16 microbatches, one budget
 per rank (the eager peaks of ranks 1 and 2), under
 

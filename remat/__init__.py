@@ -34,6 +34,15 @@ from remat.solver.plan import Plan
 
 _aliases.install()
 
+
+def __getattr__(name: str) -> object:
+    """Modules under their old names (``remat.native``, ``remat.api``), for one release."""
+    module = _aliases.old_module(name)
+    if module is None:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    return module
+
+
 __all__ = [
     "Analysis",
     "BlockError",

@@ -1,11 +1,14 @@
 """The modules' names before remat's folders showed its pipeline, kept for one release.
 
-``import remat.native.parallel`` (or ``from remat.graph.profiles import ...``) still works:
-it returns the module under its new name (:data:`MOVED`) and warns once with that name.
+``import remat.native.parallel``, ``from remat.graph import profiles`` and
+``remat.native.parallel.tensor_parallel`` after ``import remat`` still work: each returns the
+module under its new name (:data:`MOVED`) and warns once with that name. The old packages
+whose modules went to several folders are stand-ins (:data:`PACKAGES`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -66,6 +69,43 @@ MOVED: dict[str, str] = {
 }
 """Old module name -> the module it now is."""
 
+PACKAGES: dict[str, dict[str, str]] = {
+    "remat.graph": {},
+    "remat.native": {},
+    "remat.rewrite": {
+        "Executor": "remat.executors.graph.run",
+        "build_executor": "remat.executors.graph.run",
+        "RematModule": "remat.executors.graph.module",
+    },
+}
+"""Old packages, whose modules went to several folders: each is a stand-in package that
+finds its old modules through :data:`MOVED`, with the names its ``__init__`` exported."""
+
+
+def _warn(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is now {new}; the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _child(package: str, name: str) -> object:
+    """``package.name`` for a stand-in package: an old module, or a name it exported."""
+    if f"{package}.{name}" in MOVED:
+        return importlib.import_module(f"{package}.{name}")
+    home = PACKAGES[package].get(name)
+    if home is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
+
+
+def old_module(name: str) -> ModuleType | None:
+    """``remat.<name>`` where ``name`` is a module's old name (``remat.api``, ``remat.graph``),
+    for ``remat.__getattr__``; None otherwise."""
+    full = f"remat.{name}"
+    return importlib.import_module(full) if full in MOVED else None
+
 
 class _Alias(importlib.abc.Loader):
     def __init__(self, new: str) -> None:
@@ -73,11 +113,12 @@ class _Alias(importlib.abc.Loader):
         self.spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(
-            f"{spec.name} is now {self.new}; the old name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn(spec.name, self.new)
+        if spec.name in PACKAGES:
+            package = ModuleType(spec.name, f"Old name of {self.new}; see remat._aliases.")
+            package.__path__ = []  # a package: its old modules are found through MOVED
+            package.__getattr__ = functools.partial(_child, spec.name)  # type: ignore[method-assign]
+            return package
         module = importlib.import_module(self.new)
         self.spec = module.__spec__
         return module
@@ -85,7 +126,8 @@ class _Alias(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         """The module is the new one, already executed: only its spec, which the import
         system has just overwritten with the old name's, is put back."""
-        module.__spec__ = self.spec
+        if self.spec is not None:
+            module.__spec__ = self.spec
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -95,7 +137,9 @@ class _Finder(importlib.abc.MetaPathFinder):
         new = MOVED.get(fullname)
         if new is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Alias(new), is_package=False)
+        return importlib.machinery.ModuleSpec(
+            fullname, _Alias(new), is_package=fullname in PACKAGES
+        )
 
 
 def install() -> None:

@@ -87,6 +87,8 @@ def test_every_block_is_run_or_says_why_not() -> None:
             assert b.language in RUN, f"{b.name}: show-only on a {b.language} block"
     for page in PAGES:
         text = page.read_text()
+        indented = [n + 1 for n, line in enumerate(text.splitlines()) if re.match(r"\s+```", line)]
+        assert not indented, f"{page.name}: indented fences (neither run nor checked) at {indented}"
         marked = len(SHOW_ONLY.findall(text))
         assert marked == sum(b.show_only is not None for b in ALL if b.page == page), (
             f"{page.name}: a show-only marker not directly above a fence"

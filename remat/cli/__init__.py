@@ -16,6 +16,20 @@ import sys
 from collections.abc import Sequence
 
 from remat.cli import compare, demo, fit, plan
+from remat.cli.common import executor_of
+from remat.cli.compare import compare_command
+from remat.cli.demo import demo as demo_command
+from remat.cli.fit import fit_command
+from remat.cli.plan import plan_command
+
+__all__ = [
+    "compare_command",
+    "demo_command",
+    "executor_of",
+    "fit_command",
+    "main",
+    "plan_command",
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,20 +22,44 @@ if TYPE_CHECKING:
     from remat.fit.formula import memory_formula
     from remat.fit.peak import MemoryFormula
     from remat.fit.pipeline import PipelineFitReport, fit_pipeline
-    from remat.fit.table import FitReport, fit
+    from remat.fit.table import (
+        CAPS,
+        FIXED,
+        FIXED_SAC,
+        Candidate,
+        Choice,
+        FitReport,
+        FitRow,
+        fit,
+        fit_dynamic,
+        fit_native,
+    )
 
 __all__ = [
+    "CAPS",
+    "FIXED",
+    "FIXED_SAC",
+    "Candidate",
+    "Choice",
     "FitReport",
+    "FitRow",
     "MemoryFormula",
     "PipelineFitReport",
     "fit",
+    "fit_dynamic",
+    "fit_native",
     "fit_pipeline",
     "memory_formula",
 ]
 
 _HOME = {
-    "FitReport": "remat.fit.table",
-    "fit": "remat.fit.table",
+    **{
+        name: "remat.fit.table"
+        for name in (
+            *("CAPS", "FIXED", "FIXED_SAC", "Candidate", "Choice", "FitReport", "FitRow"),
+            *("fit", "fit_dynamic", "fit_native"),
+        )
+    },
     "MemoryFormula": "remat.fit.peak",
     "memory_formula": "remat.fit.formula",
     "PipelineFitReport": "remat.fit.pipeline",

@@ -84,7 +84,7 @@ class MilpModel:
         self.kept_weight = kept_weight
         self.kept_stage = kept_stage
         """Seconds per byte live before stage ``kept_stage``'s recomputations added to the
-        objective (:func:`kept_tradeoff`)."""
+        objective (:func:`remat.solver.milp.kept_tradeoff`)."""
         self.forward_memory = forward_memory
         self.memory_from = memory_from
         """``forward_memory=False`` drops the memory rows along the forward, ``memory_from``

@@ -18,7 +18,7 @@ The model of the executor (it mirrors :mod:`remat.executors.graph.run` and FX's 
 
 ``tensor_peak_bytes`` is the maximum live total over the step: exactly what
 :class:`remat.measure.meter.LiveMemoryMeter` measures on a real run. ``peak_bytes`` adds, at
-each op, the scratch its kernel allocates and frees inside itself (:attr:`remat.Value.scratch_bytes`):
+each op, the scratch its kernel allocates and frees inside itself (:attr:`remat.problem.Value.scratch_bytes`):
 what the allocator holds at its peak (:func:`remat.measure.meter.allocator_peak_bytes`).
 """
 

@@ -57,7 +57,7 @@ class OpEvent:
     """What its kernel allocated and freed inside itself (:mod:`remat.measure.scratch`)."""
     moved_bytes: int = 0
     """Bytes it reads and writes (0 for a view, which launches no kernel): with ``flops``
-    and ``dtype``, what the roofline times (:meth:`DeviceProfile.op_time`)."""
+    and ``dtype``, what the roofline times (:meth:`remat.measure.profiles.DeviceProfile.op_time`)."""
     dtype: str = "float32"
 
 
@@ -110,7 +110,7 @@ class StepTrace:
 
     def renumbered(self, order: Sequence[int]) -> StepTrace:
         """This trace with its region ``order[k]`` as region ``k`` (what
-        :meth:`FakeModel.in_call_order` does to the copy's regions): with every region eager
+        :meth:`remat.executors.sac.trace.FakeModel.in_call_order` does to the copy's regions): with every region eager
         the step is the same whatever their numbers, so no second trace is needed."""
         new = {old: k for k, old in enumerate(order)}
 

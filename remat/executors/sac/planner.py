@@ -11,13 +11,13 @@
 3. **Costs in context.** Each option is applied to every block and the step traced; per block:
    the bytes it holds from its forward to its backward, its forward and backward peaks above
    what the earlier blocks hold, and its recompute time. These are
-   :class:`remat.solver.chain.ChainCosts`, and the chain solver's DP
-   (:func:`remat.solver.chain.chain_dp`) picks one option per block under the budget. On a
+   :class:`remat.solver.chain_dp.ChainCosts`, and the chain solver's DP
+   (:func:`remat.solver.chain_dp.chain_dp`) picks one option per block under the budget. On a
    pipeline stage these per-block quantities are one microbatch's, so each option is traced
-   as one microbatch's step, without the schedule step (:func:`in_flight` counts the
+   as one microbatch's step, without the schedule step (:func:`~remat.executors.sac.traced_chain.in_flight` counts the
    microbatches held, calibrated on every block eager and every block recomputed traced
    through the schedule); the plans a user would try by hand that this model may misjudge
-   are traced too (:func:`_misjudged`).
+   are traced too (``traced_chain._misjudged``).
 4. **The trace has the last word.** The stitched choice is traced; when its peak is over the
    budget (the additive model is an approximation where blocks meet), the DP runs again for a
    budget smaller by the excess. The DP also runs for the budgets of a fixed grid between the
@@ -51,8 +51,11 @@ from remat.executors.sac.policies import (
     FITTED_PLANS,
     NATIVE_PLANS,
     fixed_policies,
+    matmul_keys,
     menu,
     menus_of,
+    required_keys,
+    torchtitan_op_keys,
     uniform_plans,
 )
 from remat.executors.sac.regions import Policy
@@ -64,6 +67,7 @@ from remat.executors.sac.traced_chain import (
     MISS_MARGIN,
     chain_solution,
     costs,
+    in_flight,
     in_flight_at_peak,
     per_block,
     shallow_copies,
@@ -157,7 +161,7 @@ def solve(
     chain DP's traces took 13 s (blocks) and 27 s (sub-modules) to find 7.79 and 6.95 ms of
     recompute, against the MILPs' 5.35 and 1.68 ms found in 6 s each; at 70B the MILP's
     fixed lifetimes gave a plan recomputing every layer (17% of the step) where the chain
-    DP's fit the budget's room (:func:`_per_block_contenders`). Which solvers run depends on
+    DP's fit the budget's room (``traced_chain._per_block_contenders``). Which solvers run depends on
     the model, never on the clock.
 
     ``second_opinions``: False where a plan that the chain DP or the per-block family
@@ -460,9 +464,13 @@ __all__ = [
     "fingerprint",
     "fixed",
     "fixed_policies",
+    "in_flight",
+    "matmul_keys",
     "menu",
     "policies_from_saved",
+    "required_keys",
     "solve",
     "to_plan",
+    "torchtitan_op_keys",
     "uniform_plans",
 ]

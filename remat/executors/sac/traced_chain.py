@@ -52,7 +52,7 @@ traces of a third of a second each, 3.2 s on one core, 1.8 s on two)."""
 
 
 def costs(trace: StepTrace) -> ChainCosts:
-    """Per-block quantities of a traced step (see :class:`remat.solver.chain.ChainCosts`)."""
+    """Per-block quantities of a traced step (see :class:`remat.solver.chain_dp.ChainCosts`)."""
     built = ChainCostsBuilder([end - start for start, end in trace.forward_live])
     seen_block = False
     for e in trace.events:

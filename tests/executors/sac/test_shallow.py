@@ -22,7 +22,7 @@ from remat.solver.config import SolverConfig
 from remat.solver.formula import FitError
 from tests.zoo import llama
 
-LAYERS = 7  # deeper than the copies (6 blocks); planner.MIN_REGIONS is patched to it
+LAYERS = 7  # deeper than the copies (6 blocks); traced_chain.MIN_REGIONS is patched to it
 
 
 def _model(layers: int = LAYERS) -> tuple[nn.Module, tuple[torch.Tensor]]:
