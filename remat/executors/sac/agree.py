@@ -23,7 +23,7 @@ from remat.solver.config import BudgetError
 
 FROM_FILE = "loaded from "
 """How the reason of a plan read from a file begins
-(:func:`remat.executors.sac.apply._from_file`)."""
+(:func:`remat.executors.sac.files.solution_from_file`)."""
 
 
 def group_of(group: Any, pipeline: Any) -> Any:

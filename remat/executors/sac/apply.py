@@ -9,9 +9,8 @@ wraps it as usual. The recipe: ``remat.apply`` first, then ``fully_shard`` (or D
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,8 @@ from remat import _torch_compat as tc
 from remat._torch_compat import is_fake
 from remat.budget import PRECISIONS, autocast_cache_hint
 from remat.executors.sac import agree, planner, policies, regions, shallow
+from remat.executors.sac.files import file_regions, save_plan, solution_from_file
+from remat.executors.sac.hf import disable_kv_cache, restore_kv_cache
 from remat.executors.sac.regions import BlockError
 from remat.executors.sac.state import _STATE, Applied, _find_state, applied
 from remat.executors.sac.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
@@ -35,13 +36,7 @@ from remat.measure.meter import Loss
 from remat.measure.profiles import DeviceProfile, get_profile
 from remat.parallel.pipelining import Pipeline
 from remat.plan.files import (
-    NATIVE,
-    PlanFile,
-    PlanFileError,
-    document,
-    load,
     read_plan,
-    write_document,
 )
 from remat.request import (
     Request,
@@ -207,7 +202,7 @@ def _apply(
     options = req.training
 
     t0 = time.perf_counter()
-    use_cache = _disable_kv_cache(model)
+    use_cache = disable_kv_cache(model)
     try:
         blocks, chose = _find_blocks(model, req, pipeline, args, kwargs, profile, loss)
         with device_errors(device):
@@ -223,7 +218,7 @@ def _apply(
                 loss,
             )
     except BudgetError as e:
-        _restore_kv_cache(model, use_cache)
+        restore_kv_cache(model, use_cache)
         if pipeline is None:
             hint = autocast_cache_hint(options)
             if hint is not None:
@@ -236,7 +231,7 @@ def _apply(
             achievable=e.achievable,
         ) from e
     except BaseException:
-        _restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
+        restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
         raise
     t1 = time.perf_counter()
     chosen = replace(planner.to_plan(problem, solution), step=step_planned(loss, pipeline))
@@ -316,7 +311,7 @@ def _find_blocks(
         f = read_plan(req.plan)
         saved = set(f.record.get("graph", {}).get("blocks", ()))
         for blocks in candidates:  # the set the file was solved on
-            if set(_file_regions(f, model, blocks)) == saved:
+            if set(file_regions(f, model, blocks)) == saved:
                 return blocks, ""
         return candidates[-1], ""  # its fingerprint then says it is for other blocks
     return _least_peak_blocks(model, candidates, args, kwargs, req, profile, loss)
@@ -585,8 +580,8 @@ def _plan(
     if req.is_plan_file():
         assert isinstance(plan, (str, Path))
         f = read_plan(plan)
-        problem, tracer, _ = on(_file_regions(f, model, blocks))
-        return problem, _from_file(problem, f, plan, tracer)
+        problem, tracer, _ = on(file_regions(f, model, blocks))
+        return problem, solution_from_file(problem, f, plan, tracer)
     if isinstance(plan, str):
         problem, tracer, _ = on(blocks)
         solution = planner.fixed(problem, plan, tracer)
@@ -760,109 +755,12 @@ def _best(
     return best
 
 
-def _file_regions(f: PlanFile, model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
-    """The regions a native plan file was solved on, where they are regions :func:`_plan`
-    plans on (the blocks or their sub-modules, and modules outside the blocks), in module
-    order (the trace puts them in the order the forward runs them, as when it was solved);
-    otherwise the blocks, whose fingerprint then says the file is for another model."""
-    saved = set(f.record.get("graph", {}).get("blocks", ()))
-    split, outside = regions.split_blocks(model, blocks), regions.outside_blocks(model, blocks)
-    for inner in (blocks, split):
-        if set(inner) <= saved <= set(inner) | set(outside):
-            return tuple(p for p in (*inner, *outside) if p in saved)
-    return blocks
-
-
-@contextlib.contextmanager
-def kv_cache_off(model: nn.Module) -> Iterator[None]:
-    """The model's KV caches off while remat traces it, restored after (see
-    :func:`_disable_kv_cache`)."""
-    previous = _disable_kv_cache(model)
-    try:
-        yield
-    finally:
-        _restore_kv_cache(model, previous)
-
-
-def save_plan(model: nn.Module, path: str | Path) -> Path:
-    """Write ``model``'s plan (from :func:`apply`) as JSON, with a fingerprint of its blocks'
-    op streams, for ``remat.apply(model, inputs, plan=path)`` to re-apply without solving."""
-    state = applied(model)
-    graph: dict[str, Any] = {"executor": NATIVE, "blocks": list(state.blocks), **state.describe}
-    replayed = [
-        p
-        for p, policy in zip(state.blocks, state.policies, strict=True)
-        if isinstance(policy, regions.FullReplay)
-    ]
-    if replayed:  # regions replayed whole (torchtitan_op): the file runs them so again
-        graph["full_replay"] = replayed
-    return write_document(document(state.plan, state.fingerprint, graph), path)
-
-
-def _from_file(
-    problem: planner.NativeProblem, f: PlanFile, path: str | Path, tracer: Any
-) -> planner.Solution:
-    f = load(
-        path,
-        read=f,
-        executor=NATIVE,
-        fingerprint=planner.fingerprint(problem),
-        difference=lambda record: (
-            f"other blocks or shapes (regions there: {len(record['graph'].get('blocks', []))}, "
-            f"here: {len(problem.blocks)})"
-        ),
-    )
-    try:
-        policies = planner.policies_from_saved(problem, f.saved)
-    except ValueError as e:
-        raise PlanFileError(f"plan file {path}: {e}") from None
-    replayed = set(f.record["graph"].get("full_replay", ()))
-    policies = tuple(
-        regions.FullReplay(policy) if path in replayed and policy is not None else policy
-        for path, policy in zip(problem.blocks, policies, strict=True)
-    )
-    return planner.Solution(
-        policies,
-        tracer(policies),
-        f.solver.removeprefix("native:"),  # the file records the plan's name, prefixed
-        f"loaded from {path} ({f.reason})",
-        f.proof,
-        tuple("from file" for _ in policies),
-    )
-
-
-def _restore_kv_cache(model: nn.Module, previous: tuple[str, ...]) -> None:
-    modules = dict(model.named_modules())
-    for path in previous:
-        modules[path].config.use_cache = True  # type: ignore[union-attr]
-
-
 def _real_fallback(model: nn.Module) -> bool:
     """Whether a step that cannot run on FakeTensors may be traced on a real copy: only for
     a model on the CPU (a copy there is cheap next to what it plans; on an accelerator it
     would take the device memory the plan is for)."""
     tensors = [*model.parameters(), *model.buffers()]
     return all(t.device.type == "cpu" and not is_fake(t) for t in tensors)
-
-
-def _disable_kv_cache(model: nn.Module) -> tuple[str, ...]:
-    """Turn the KV cache off (``config.use_cache``) in every Hugging Face model inside
-    ``model`` -- the model itself or one a training wrapper calls -- as
-    ``gradient_checkpointing_enable()`` does in training: a cache updated inside a block makes
-    the recomputation differ from the forward (it concatenates the forward's keys again, and
-    SAC stops at an op the forward did not run). Returns the paths of the modules whose
-    configuration had it on (a configuration shared by several, once)."""
-    turned_off: list[str] = []
-    seen: set[int] = set()
-    for path, m in model.named_modules():
-        config = getattr(m, "config", None)
-        if config is None or id(config) in seen:
-            continue
-        seen.add(id(config))
-        if getattr(config, "use_cache", None) is True:
-            config.use_cache = False
-            turned_off.append(path)
-    return tuple(turned_off)
 
 
 def unapply(model: nn.Module) -> nn.Module:
@@ -872,7 +770,7 @@ def unapply(model: nn.Module) -> nn.Module:
     for m, _ in list(regions.iter_regions(model)):
         regions.unwrap(m)
     state = model.__dict__.pop(_STATE)
-    _restore_kv_cache(model, state.use_cache)
+    restore_kv_cache(model, state.use_cache)
     return model
 
 

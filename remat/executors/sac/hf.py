@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from remat import _torch_compat as tc
 
@@ -44,3 +45,40 @@ def real_packing_check(example_kwargs: Mapping[str, Any]) -> Iterator[None]:
         yield
     finally:
         setattr(masking, "find_packed_sequence_indices", original)  # noqa: B010
+
+
+@contextlib.contextmanager
+def kv_cache_off(model: nn.Module) -> Iterator[None]:
+    """The model's KV caches off while remat traces it, restored after (see
+    :func:`disable_kv_cache`)."""
+    previous = disable_kv_cache(model)
+    try:
+        yield
+    finally:
+        restore_kv_cache(model, previous)
+
+
+def restore_kv_cache(model: nn.Module, previous: tuple[str, ...]) -> None:
+    modules = dict(model.named_modules())
+    for path in previous:
+        modules[path].config.use_cache = True  # type: ignore[union-attr]
+
+
+def disable_kv_cache(model: nn.Module) -> tuple[str, ...]:
+    """Turn the KV cache off (``config.use_cache``) in every Hugging Face model inside
+    ``model`` -- the model itself or one a training wrapper calls -- as
+    ``gradient_checkpointing_enable()`` does in training: a cache updated inside a block makes
+    the recomputation differ from the forward (it concatenates the forward's keys again, and
+    SAC stops at an op the forward did not run). Returns the paths of the modules whose
+    configuration had it on (a configuration shared by several, once)."""
+    turned_off: list[str] = []
+    seen: set[int] = set()
+    for path, m in model.named_modules():
+        config = getattr(m, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            turned_off.append(path)
+    return tuple(turned_off)
