@@ -52,14 +52,9 @@ __all__ = [
     "memory_formula",
 ]
 
+_TABLE = ("CAPS", "FIXED", "FIXED_SAC", "Candidate", "Choice", "FitReport", "FitRow")
 _HOME = {
-    **{
-        name: "remat.fit.table"
-        for name in (
-            *("CAPS", "FIXED", "FIXED_SAC", "Candidate", "Choice", "FitReport", "FitRow"),
-            *("fit", "fit_dynamic", "fit_native"),
-        )
-    },
+    **dict.fromkeys((*_TABLE, "fit", "fit_dynamic", "fit_native"), "remat.fit.table"),
     "MemoryFormula": "remat.fit.peak",
     "memory_formula": "remat.fit.formula",
     "PipelineFitReport": "remat.fit.pipeline",
