@@ -60,3 +60,17 @@ def test_verify_takes_an_executor_and_the_old_native_flag_warns() -> None:
     assert new.equal and old.equal
     assert new.plan.saved == old.plan.saved
     assert remat.plan_of(new.module).saved == new.plan.saved
+
+
+def test_fit_and_the_formula_ask_the_executor_which_refuses_the_other_ones_deep_inputs() -> None:
+    """``remat.fit`` and ``remat.memory_formula`` dispatch on the executor; each executor
+    names the argument that belongs to the other one rather than ignore it."""
+    model, tokens = _model()
+    with pytest.raises(ValueError, match="copies= is for executor 'sac'"):
+        remat.fit.fit(model, (tokens,), budget_gb=1, executor="graph", copies=lambda n: model)
+    with pytest.raises(ValueError, match="shallow= is for the graph executor"):
+        remat.fit.fit(model, (tokens,), budget_gb=1, executor=SAC, shallow=(model, 2, 2))
+    with pytest.raises(ValueError, match="executor='sac' takes one of remat.apply's fixed"):
+        remat.memory_formula(model, (tokens,), executor="sac", plan="megatron")
+    with pytest.raises(ValueError, match="unknown executor 'native'"):
+        remat.memory_formula(model, (tokens,), executor="native")

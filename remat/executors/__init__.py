@@ -15,15 +15,13 @@ each executor's schedule lives in :mod:`remat.solver.executor` and never imports
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any
 
-import torch
 from torch import nn
 
+from remat.budget import DeviceBudget, StaticMemory
+from remat.executors.base import Comparison, Executor, Planned, Solved
 from remat.executors.graph.analyze import analyze
 from remat.executors.graph.module import RematModule
 from remat.executors.graph.optimize import optimize
@@ -38,6 +36,11 @@ from remat.executors.sac.planner import solve as native_solve
 from remat.executors.sac.regions import find_blocks
 from remat.executors.sac.report import explain_applied
 from remat.executors.sac.state import applied
+from remat.fit.graph_formula import analyze_dynamic, formula_of
+from remat.fit.peak import MemoryFormula
+from remat.fit.sac_formula import Copies, native_dynamic
+from remat.fit.sac_formula import formula_of as native_formula_of
+from remat.fit.search import FitReport, fit_graph, fit_sac
 from remat.measure.meter import Loss
 from remat.measure.profiles import get_profile
 from remat.plan.report import explain_plan
@@ -45,58 +48,6 @@ from remat.request import Request, as_args, resolve_profile
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.plan import Plan, Proof, proven
 from remat.solver.registry import HEURISTICS, SOLVERS, least_peak, solve
-
-Solved = tuple[int, float, "float | None", Proof]
-"""A compared plan: step peak bytes, recompute % of the step, its proven floor in % (or
-None), its proof."""
-
-
-@dataclass(frozen=True)
-class Planned:
-    """A model planned by an executor: the module that trains with the plan, and the plan."""
-
-    module: nn.Module
-    plan: Plan
-    timings: Mapping[str, float]
-    """Seconds per planning stage (capture, analysis, solve, ...)."""
-    report: Callable[[int], str]
-    """The plan explained, at a width."""
-    writer: Callable[[Path], Path]
-    """Writes the plan file."""
-
-    def explain(self, width: int = 120) -> str:
-        """What the plan keeps and recomputes, and its predicted peak and time."""
-        return self.report(width)
-
-    def save(self, path: str | Path) -> Path:
-        """Write the plan file (the executor's entry point loads it with ``plan=path``)."""
-        return self.writer(Path(path))
-
-
-class Comparison(ABC):
-    """Every solver of an executor on one analyzed step, for ``remat compare``: the model is
-    not modified."""
-
-    solvers: list[str]
-
-    @abstractmethod
-    def __init__(
-        self,
-        model: nn.Module,
-        example_inputs: Any,
-        kwargs: Mapping[str, Any],
-        request: Request,
-        loss: Loss | None,
-    ) -> None:
-        """Analyze the step of ``model`` once."""
-
-    @abstractmethod
-    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
-        """The least step peak a plan reaches, and keep-all's."""
-
-    @abstractmethod
-    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
-        """Solver ``name``'s plan at a step budget (:class:`BudgetError` where none fits)."""
 
 
 class _GraphComparison(Comparison):
@@ -180,72 +131,6 @@ class _SacComparison(Comparison):
         return trace.peak_bytes, pct, None, Proof.OPTIMAL if pct == 0 else solution.proof
 
 
-class Executor(ABC):
-    """What turns a plan into a running step: :data:`EXECUTORS` holds one per name."""
-
-    name: ClassVar[str]
-    """The name the solver core knows the executor by (``Problem.executor``)."""
-    entry: ClassVar[str]
-    """The public function that plans and runs on it."""
-    description: ClassVar[str]
-    """One line: what it is and what it runs under."""
-    distributed: ClassVar[bool]
-    """Whether it runs under FSDP2, DDP, tensor and pipeline parallelism."""
-    own_forward: ClassVar[bool]
-    """Whether the planned module runs the model's own forward (under the user's autocast),
-    rather than graphs that carry their casts."""
-    comparison: ClassVar[type[Comparison]]
-    """How ``remat compare`` runs every solver of this executor."""
-
-    def __str__(self) -> str:
-        return self.description
-
-    def plan(
-        self,
-        model: nn.Module,
-        example_inputs: Any,
-        *,
-        example_kwargs: Mapping[str, Any] | None = None,
-        request: Request | None = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        target: Any = None,
-        **flat: Any,
-    ) -> Planned:
-        """Plan ``model``'s step for ``request`` (or the request's fields as keywords, ``flat``)
-        with the executor's entry point: :func:`remat.optimize` leaves ``model`` as it is,
-        :func:`remat.apply` wraps its blocks in place."""
-        module = self._entry(
-            model,
-            example_inputs,
-            example_kwargs=example_kwargs,
-            request=request,
-            loss_fn=loss_fn,
-            target=target,
-            **flat,
-        )
-        return self._planned(module)
-
-    def compare(
-        self,
-        model: nn.Module,
-        example_inputs: Any,
-        *,
-        request: Request,
-        example_kwargs: Mapping[str, Any] | None = None,
-        loss: Loss | None = None,
-    ) -> Comparison:
-        """The step analyzed once, for every solver of this executor."""
-        return self.comparison(model, example_inputs, example_kwargs or {}, request, loss)
-
-    @abstractmethod
-    def _entry(self, model: nn.Module, example_inputs: Any, **kwargs: Any) -> nn.Module:
-        """The entry point's module for ``model``."""
-
-    @abstractmethod
-    def _planned(self, module: nn.Module) -> Planned:
-        """The entry point's module, with its plan, report and plan file."""
-
-
 class GraphExecutor(Executor):
     name = "graph"
     entry = "remat.optimize"
@@ -267,6 +152,51 @@ class GraphExecutor(Executor):
             lambda width: explain_plan(plan, problem, width=width),
             module.save_plan,
         )
+
+    def fit(
+        self,
+        model: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Request,
+        budget: DeviceBudget,
+        *,
+        max_batch: int,
+        loss: Loss | None,
+        shallow: tuple[nn.Module, int, int] | None = None,
+        copies: Copies | None = None,
+    ) -> FitReport:
+        if copies is not None:
+            raise ValueError(
+                "copies= is for executor 'sac'; the graph executor fits a deep stack on one "
+                "shallow copy (shallow=)"
+            )
+        return fit_graph(
+            model, args, kwargs, request, budget, max_batch=max_batch, shallow=shallow, loss=loss
+        )
+
+    def memory_formula(
+        self,
+        model: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Request,
+        plan: str | Plan,
+        static: StaticMemory,
+        *,
+        seq: bool | None,
+        loss: Loss | None,
+        copies: Copies | None = None,
+    ) -> MemoryFormula:
+        if copies is not None:
+            raise ValueError("copies= is for executor 'sac'")
+        options = request.training
+        dynamic = analyze_dynamic(
+            model, args, example_kwargs=kwargs, precision=options.precision,
+            grads_held=not options.grads_released, device_profile=request.device_profile,
+            max_seq=request.max_seq, seq=seq, progress=request.progress, loss=loss,
+        )  # fmt: skip
+        return formula_of(dynamic, plan, static)
 
 
 class SacExecutor(Executor):
@@ -292,6 +222,50 @@ class SacExecutor(Executor):
             lambda width: explain_applied(state, width=width),
             lambda path: native_save_plan(module, path),
         )
+
+    def fit(
+        self,
+        model: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Request,
+        budget: DeviceBudget,
+        *,
+        max_batch: int,
+        loss: Loss | None,
+        shallow: tuple[nn.Module, int, int] | None = None,
+        copies: Copies | None = None,
+    ) -> FitReport:
+        if shallow is not None:
+            raise ValueError(
+                "shallow= is for the graph executor; executor 'sac' fits a deep stack on "
+                "copies of two depths (copies=)"
+            )
+        return fit_sac(
+            model, args, kwargs, request, budget, max_batch=max_batch, copies=copies, loss=loss
+        )
+
+    def memory_formula(
+        self,
+        model: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Request,
+        plan: str | Plan,
+        static: StaticMemory,
+        *,
+        seq: bool | None,
+        loss: Loss | None,
+        copies: Copies | None = None,
+    ) -> MemoryFormula:
+        if not isinstance(plan, str) or plan not in NATIVE_PLANS:
+            raise ValueError(
+                f"executor='sac' takes one of remat.apply's fixed plans ({', '.join(NATIVE_PLANS)})"
+            )
+        native, _ = native_dynamic(
+            model, args, kwargs, request, plans=(plan,), seq=seq, copies=copies, loss=loss
+        )
+        return native_formula_of(native, plan, static)
 
 
 GRAPH = GraphExecutor()

@@ -1,16 +1,17 @@
 """Will it fit? A step's peak as an exact formula in batch and sequence length, and from it
 the longest sequence and the largest batch each plan fits in a device budget.
 
-:mod:`~remat.fit.table` (``remat.fit.fit``) answers for one model,
-:mod:`~remat.fit.pipeline` (``remat.fit_pipeline``) for every rank of a pipeline;
-:mod:`~remat.fit.formula` (``remat.memory_formula``) gives the formula. The whole-graph
-executor's step comes from concrete captures (:mod:`~remat.fit.graph_shapes`), the ``sac``
-executor's from traces (:mod:`~remat.fit.sac_shapes`, :mod:`~remat.fit.sac_formula`), deep
-stacks from two shallow copies (:mod:`~remat.fit.deep`), on several cores
+:mod:`~remat.fit.table` (``remat.fit.fit``) answers for one model, on the search of
+:mod:`~remat.fit.search`; :mod:`~remat.fit.pipeline` (``remat.fit_pipeline``) for every rank of
+a pipeline; :mod:`~remat.fit.formula` (``remat.memory_formula``) gives the formula. Each asks
+the executor (:meth:`remat.executors.Executor.fit`). The whole-graph executor's step comes
+from concrete captures (:mod:`~remat.fit.graph_shapes`, :mod:`~remat.fit.graph_formula`), the
+``sac`` executor's from traces (:mod:`~remat.fit.sac_shapes`, :mod:`~remat.fit.sac_formula`),
+deep stacks from two shallow copies (:mod:`~remat.fit.deep`), on several cores
 (:mod:`~remat.fit.workers`).
 
-The names below are loaded on first use: the executors import this package's shape
-fitting, and :mod:`~remat.fit.table` imports the executors.
+The names below are loaded on first use: the executors import this package's shape fitting
+and search, and :mod:`~remat.fit.table` and :mod:`~remat.fit.formula` import the executors.
 """
 
 from __future__ import annotations

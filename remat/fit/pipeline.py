@@ -27,7 +27,7 @@ from remat.budget import DeviceBudget
 from remat.fit.graph_shapes import Dims
 from remat.fit.sac_formula import stage_dynamic
 from remat.fit.sac_shapes import NativeDynamic, NativeRange
-from remat.fit.table import FIXED_SAC, Choice, _largest, _row_choice, _row_names
+from remat.fit.search import FIXED_SAC, Choice, _largest, _row_choice, _row_names
 from remat.measure.profiles import DeviceProfile, get_profile
 from remat.parallel.pipeline_plan import rank_module, rank_pipelines
 from remat.parallel.pipelining import Pipeline

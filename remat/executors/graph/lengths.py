@@ -4,7 +4,7 @@ Graphs are specialised to their input shapes, so a data loader whose lengths var
 again at every new length (a capture, then seconds to a minute of solving). The step's sizes
 are exact polynomials in the length (:mod:`remat.fit.graph_shapes`), so a plan solved at the
 longest length of a bucket has an exact formula for its peak at every shorter length
-(:mod:`remat.fit.formula`), and the formula's maximum over the bucket is checked against the
+(:mod:`remat.fit.graph_formula`), and the formula's maximum over the bucket is checked against the
 budget before the plan is used. A new length in a solved bucket is then captured (the graph
 at that shape) and runs the bucket's plan: no solve.
 """
@@ -21,7 +21,7 @@ import torch
 
 from remat import _torch_compat as tc
 from remat.budget import StaticMemory
-from remat.fit.formula import MemoryFormula, formula_of
+from remat.fit.graph_formula import MemoryFormula, formula_of
 from remat.fit.graph_shapes import Dims, DynamicProblem, same_graph, shape_at
 from remat.problem import Problem
 from remat.solver.config import BudgetError

@@ -1,0 +1,177 @@
+"""The executor type: what every executor does (:class:`Executor`), the model it plans
+(:class:`Planned`), and the step it analyzes once for every solver (:class:`Comparison`).
+The two executors and their registry are in :mod:`remat.executors`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from remat.budget import DeviceBudget, StaticMemory
+from remat.fit.peak import MemoryFormula
+from remat.fit.sac_formula import Copies
+from remat.fit.search import FitReport
+from remat.measure.meter import Loss
+from remat.request import Request
+from remat.solver.config import SolverConfig
+from remat.solver.plan import Plan, Proof
+
+Solved = tuple[int, float, "float | None", Proof]
+"""A compared plan: step peak bytes, recompute % of the step, its proven floor in % (or
+None), its proof."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A model planned by an executor: the module that trains with the plan, and the plan."""
+
+    module: nn.Module
+    plan: Plan
+    timings: Mapping[str, float]
+    """Seconds per planning stage (capture, analysis, solve, ...)."""
+    report: Callable[[int], str]
+    """The plan explained, at a width."""
+    writer: Callable[[Path], Path]
+    """Writes the plan file."""
+
+    def explain(self, width: int = 120) -> str:
+        """What the plan keeps and recomputes, and its predicted peak and time."""
+        return self.report(width)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan file (the executor's entry point loads it with ``plan=path``)."""
+        return self.writer(Path(path))
+
+
+class Comparison(ABC):
+    """Every solver of an executor on one analyzed step, for ``remat compare``: the model is
+    not modified."""
+
+    solvers: list[str]
+
+    @abstractmethod
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        kwargs: Mapping[str, Any],
+        request: Request,
+        loss: Loss | None,
+    ) -> None:
+        """Analyze the step of ``model`` once."""
+
+    @abstractmethod
+    def peak_range(self, config: SolverConfig) -> tuple[int, int]:
+        """The least step peak a plan reaches, and keep-all's."""
+
+    @abstractmethod
+    def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
+        """Solver ``name``'s plan at a step budget (:class:`BudgetError` where none fits)."""
+
+
+class Executor(ABC):
+    """What turns a plan into a running step: :data:`EXECUTORS` holds one per name."""
+
+    name: ClassVar[str]
+    """The name the solver core knows the executor by (``Problem.executor``)."""
+    entry: ClassVar[str]
+    """The public function that plans and runs on it."""
+    description: ClassVar[str]
+    """One line: what it is and what it runs under."""
+    distributed: ClassVar[bool]
+    """Whether it runs under FSDP2, DDP, tensor and pipeline parallelism."""
+    own_forward: ClassVar[bool]
+    """Whether the planned module runs the model's own forward (under the user's autocast),
+    rather than graphs that carry their casts."""
+    comparison: ClassVar[type[Comparison]]
+    """How ``remat compare`` runs every solver of this executor."""
+
+    def __str__(self) -> str:
+        return self.description
+
+    def plan(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        *,
+        example_kwargs: Mapping[str, Any] | None = None,
+        request: Request | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        target: Any = None,
+        **flat: Any,
+    ) -> Planned:
+        """Plan ``model``'s step for ``request`` (or the request's fields as keywords, ``flat``)
+        with the executor's entry point: :func:`remat.optimize` leaves ``model`` as it is,
+        :func:`remat.apply` wraps its blocks in place."""
+        module = self._entry(
+            model,
+            example_inputs,
+            example_kwargs=example_kwargs,
+            request=request,
+            loss_fn=loss_fn,
+            target=target,
+            **flat,
+        )
+        return self._planned(module)
+
+    def compare(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        *,
+        request: Request,
+        example_kwargs: Mapping[str, Any] | None = None,
+        loss: Loss | None = None,
+    ) -> Comparison:
+        """The step analyzed once, for every solver of this executor."""
+        return self.comparison(model, example_inputs, example_kwargs or {}, request, loss)
+
+    @abstractmethod
+    def _entry(self, model: nn.Module, example_inputs: Any, **kwargs: Any) -> nn.Module:
+        """The entry point's module for ``model``."""
+
+    @abstractmethod
+    def _planned(self, module: nn.Module) -> Planned:
+        """The entry point's module, with its plan, report and plan file."""
+
+    @abstractmethod
+    def fit(
+        self,
+        model: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Request,
+        budget: DeviceBudget,
+        *,
+        max_batch: int,
+        loss: Loss | None,
+        shallow: tuple[nn.Module, int, int] | None = None,
+        copies: Copies | None = None,
+    ) -> FitReport:
+        """What fits ``budget`` on this executor (:func:`remat.fit.fit`, which resolved
+        ``request.max_seq``). ``shallow`` (a copy with fewer layers) and ``copies`` (a builder
+        of copies) fit a deep stack on shallower models, each for the executor that takes
+        it."""
+
+    @abstractmethod
+    def memory_formula(
+        self,
+        model: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        request: Request,
+        plan: str | Plan,
+        static: StaticMemory,
+        *,
+        seq: bool | None,
+        loss: Loss | None,
+        copies: Copies | None = None,
+    ) -> MemoryFormula:
+        """``plan``'s device peak as a formula in ``(b, s)`` (:func:`remat.memory_formula`)."""
