@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.rows import save, show  # noqa: E402
 from remat.executors.graph.analyze import analyze  # noqa: E402
-from remat.executors.sac.apply import analyze as native_analyze  # noqa: E402
 from remat.executors.sac.hf import kv_cache_off  # noqa: E402
+from remat.executors.sac.passes import analyze as native_analyze  # noqa: E402
 from remat.executors.sac.planner import NATIVE_PLANS, fixed_policies, uniform_plans  # noqa: E402
 from remat.executors.sac.regions import find_blocks, outside_blocks, split_blocks  # noqa: E402
 from remat.measure.profiles import get_profile  # noqa: E402

@@ -49,8 +49,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from remat.executors.sac import planner  # noqa: E402
-from remat.executors.sac.apply import Stage  # noqa: E402
-from remat.executors.sac.apply import analyze as native_analyze  # noqa: E402
+from remat.executors.sac.passes import Stage  # noqa: E402
+from remat.executors.sac.passes import analyze as native_analyze  # noqa: E402
 from remat.executors.sac.regions import Policy  # noqa: E402
 from remat.executors.sac.trace import FSDP_PARAM_DTYPES, StepTrace  # noqa: E402
 from remat.measure.profiles import DeviceProfile, get_profile  # noqa: E402

@@ -26,10 +26,10 @@ from remat.executors.graph.analyze import analyze
 from remat.executors.graph.module import RematModule
 from remat.executors.graph.optimize import optimize
 from remat.executors.sac.apply import NATIVE_SOLVERS, apply
-from remat.executors.sac.apply import analyze as native_analyze
 from remat.executors.sac.apply import save_plan as native_save_plan
 from remat.executors.sac.events import StepTrace
 from remat.executors.sac.hf import kv_cache_off
+from remat.executors.sac.passes import analyze as native_analyze
 from remat.executors.sac.planner import NATIVE_PLANS
 from remat.executors.sac.planner import fixed as native_fixed
 from remat.executors.sac.planner import solve as native_solve

@@ -13,8 +13,8 @@ from torch import nn
 from remat.budget import StaticMemory
 from remat.executors.graph.loss import loss_at
 from remat.executors.sac import regions
-from remat.executors.sac.apply import Stage, Traced, analyze
 from remat.executors.sac.hf import kv_cache_off
+from remat.executors.sac.passes import Stage, Traced, analyze
 from remat.executors.sac.planner import FITTED_PLANS, NativeProblem, fixed_policies, uniform_plans
 from remat.executors.sac.regions import Policy
 from remat.fit.deep import EDGES, WIDE, CopyStep, Edges, deep_sample, increments, larger, matched

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from remat.executors.sac.apply import Traced, analyze
 from remat.executors.sac.hf import kv_cache_off
+from remat.executors.sac.passes import Traced, analyze
 from remat.executors.sac.planner import fixed_policies
 from remat.executors.sac.regions import find_blocks
 from remat.fit.deep import EDGES, CopyStep, deep_sample, increments, larger

@@ -14,8 +14,9 @@ import remat
 from remat.budget import Options
 from remat.cli import main
 from remat.executors import SAC
-from remat.executors.sac.apply import NATIVE_SOLVERS, analyze
+from remat.executors.sac.apply import NATIVE_SOLVERS
 from remat.executors.sac.hf import kv_cache_off
+from remat.executors.sac.passes import analyze
 from remat.executors.sac.planner import NATIVE_PLANS
 from remat.executors.sac.regions import find_blocks
 from remat.fit.graph_shapes import Dims, inputs_at

@@ -350,8 +350,8 @@ def test_a_stage_menu_is_costed_on_one_microbatch_and_its_plan_beats_every_unifo
     plan recomputes no more than any one option on every block, or any Megatron first-N
     plan, that fits (each traced here through the schedule)."""
     from remat.executors.sac import planner
-    from remat.executors.sac.apply import Stage
-    from remat.executors.sac.apply import analyze as native_analyze
+    from remat.executors.sac.passes import Stage
+    from remat.executors.sac.passes import analyze as native_analyze
     from remat.measure.profiles import get_profile
     from remat.request import Request
     from remat.solver.config import SolverConfig

@@ -21,10 +21,11 @@ from remat.plan.files import (
 
 
 def file_regions(f: PlanFile, model: nn.Module, blocks: tuple[str, ...]) -> tuple[str, ...]:
-    """The regions a native plan file was solved on, where they are regions :func:`_plan`
-    plans on (the blocks or their sub-modules, and modules outside the blocks), in module
-    order (the trace puts them in the order the forward runs them, as when it was solved);
-    otherwise the blocks, whose fingerprint then says the file is for another model."""
+    """The regions a native plan file was solved on, where they are regions
+    :func:`~remat.executors.sac.passes.plan_step` plans on (the blocks or their sub-modules,
+    and modules outside the blocks), in module order (the trace puts them in the order the
+    forward runs them, as when it was solved); otherwise the blocks, whose fingerprint then
+    says the file is for another model."""
     saved = set(f.record.get("graph", {}).get("blocks", ()))
     split, outside = regions.split_blocks(model, blocks), regions.outside_blocks(model, blocks)
     for inner in (blocks, split):

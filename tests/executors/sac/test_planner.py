@@ -17,9 +17,9 @@ import torch
 
 import remat
 from remat.executors.sac import apply as native_api
-from remat.executors.sac import planner, traced_chain
-from remat.executors.sac.apply import analyze
+from remat.executors.sac import passes, planner, traced_chain
 from remat.executors.sac.events import StepTrace
+from remat.executors.sac.passes import analyze
 from remat.executors.sac.regions import find_blocks
 from remat.measure.profiles import get_profile
 from remat.models import TinyGPT
@@ -181,7 +181,7 @@ def test_apply_s_passes_do_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPat
     """``remat.apply``'s passes (the blocks', then their sub-modules') each solve with the
     request's time limit, however long the other took: a clock that jumps one second at each
     look plans what an idle machine does. The finer pass is skipped only by its count of
-    events (:data:`native_api.FINER_PASS_EVENTS`), and the progress says so."""
+    events (:data:`passes.FINER_PASS_EVENTS`), and the progress says so."""
     calls: list[float] = []
     second: list[bool] = []
     solve = planner.solve
@@ -218,7 +218,7 @@ def test_apply_s_passes_do_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPat
     ticking = planned()
     assert ticking.saved == idle.saved
     assert ticking.predicted_peak_bytes == idle.predicted_peak_bytes
-    monkeypatch.setattr(native_api, "FINER_PASS_EVENTS", 0)
+    monkeypatch.setattr(passes, "FINER_PASS_EVENTS", 0)
     calls.clear()
     seen: list[str] = []
     remat.apply(model, args, activation_budget_bytes=budget, time_limit_s=600, progress=seen.append)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import remat
-from remat.executors.sac.apply import analyze
 from remat.executors.sac.hf import kv_cache_off
+from remat.executors.sac.passes import analyze
 from remat.executors.sac.planner import NATIVE_PLANS, fixed_policies, uniform_plans
 from remat.executors.sac.regions import find_blocks, outside_blocks, split_blocks
 from remat.executors.sac.state import applied

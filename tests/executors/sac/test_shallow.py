@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from remat.executors.sac import planner, shallow, traced_chain
-from remat.executors.sac.apply import _worth_a_region, analyze, uniform_costs
 from remat.executors.sac.hf import kv_cache_off
+from remat.executors.sac.passes import _worth_a_region, analyze, uniform_costs
 from remat.executors.sac.regions import find_blocks, outside_blocks
 from remat.executors.sac.shallow import MIN_REGIONS, truncated
 from remat.measure.profiles import get_profile
