@@ -8,12 +8,14 @@ import csv
 import math
 import time
 
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from remat.budget import (
     GB,
     Options,
+    StaticMemory,
     StaticMemoryError,
     device_budget,
 )
@@ -24,6 +26,7 @@ from remat.cli.common import (
     make_console,
     model_options,
 )
+from remat.executors.base import Comparison
 from remat.executors.sac.events import TraceError
 from remat.measure.meter import Loss
 from remat.plan.plots import pareto_plot
@@ -44,16 +47,12 @@ def compare_command(args: argparse.Namespace) -> int:
             zero_stage=args.zero_stage,
             world_size=args.world_size,
         )
+        executor = executor_of(args, built)
     except ValueError as e:
         console.print(f"[red]remat compare: {e}")
         return 2
     config = SolverConfig(time_limit_s=args.time_limit, floor_time_s=args.floor_time)
     static = model_static_memory(built.model, options)
-    try:
-        executor = executor_of(args, built)
-    except ValueError as e:
-        console.print(f"[red]remat compare: {e}")
-        return 2
     console.print(f"executor: {executor}")
     with console.status("analysing..."):
         try:
@@ -71,23 +70,48 @@ def compare_command(args: argparse.Namespace) -> int:
         except (ValueError, TraceError) as e:
             console.print(f"[red]remat compare: {escape(str(e))}")
             return 1
-    if args.sweep:
-        least, keep_all = side.peak_range(config)
-        # Device totals whose step budgets run from the least peak to keep_all's.
-        budgets = [
-            math.ceil((least + (keep_all - least) * k // max(1, args.sweep - 1) + static.total)
-                      / (1 - args.reserve)) + 1
-            for k in range(args.sweep)
-        ]  # fmt: skip
-    else:
-        budgets = [int(args.budget_gb * GB)]
+    try:
+        rows = _rows(side, _budgets(args, side, config, static), static, options, args, config,
+                     console)  # fmt: skip
+    except StaticMemoryError as e:
+        console.print(f"[red]remat compare: {e}")
+        return 1
+    console.print(
+        _compare_table(rows, f"{built.description}: every solver (profile {args.device})")
+    )
+    _write(rows, args, console)
+    return 0
+
+
+def _budgets(
+    args: argparse.Namespace, side: Comparison, config: SolverConfig, static: StaticMemory
+) -> list[int]:
+    """The device budgets compared: ``--budget-gb``, or ``--sweep`` totals whose step budgets
+    run from the least peak to keep_all's."""
+    if not args.sweep:
+        return [int(args.budget_gb * GB)]
+    least, keep_all = side.peak_range(config)
+    return [
+        math.ceil((least + (keep_all - least) * k // max(1, args.sweep - 1) + static.total)
+                  / (1 - args.reserve)) + 1
+        for k in range(args.sweep)
+    ]  # fmt: skip
+
+
+def _rows(
+    side: Comparison,
+    budgets: list[int],
+    static: StaticMemory,
+    options: Options,
+    args: argparse.Namespace,
+    config: SolverConfig,
+    console: Console,
+) -> list[dict[str, object]]:
+    """One row per budget and solver: its plan's figures, or the error that stopped it
+    (:class:`StaticMemoryError` where a budget does not hold the static memory)."""
     rows: list[dict[str, object]] = []
     for total in budgets:
-        try:
-            d = device_budget(total, static, options, args.reserve)
-        except StaticMemoryError as e:
-            console.print(f"[red]remat compare: {e}")
-            return 1
+        d = device_budget(total, static, options, args.reserve)
         for name in side.solvers:
             t0 = time.perf_counter()
             try:
@@ -111,9 +135,11 @@ def compare_command(args: argparse.Namespace) -> int:
                     "error": "",
                 }
             )
-    console.print(
-        _compare_table(rows, f"{built.description}: every solver (profile {args.device})")
-    )
+    return rows
+
+
+def _write(rows: list[dict[str, object]], args: argparse.Namespace, console: Console) -> None:
+    """``--csv``: the rows; ``--plot``: each solver's overhead against its step peak."""
     if args.csv:
         fields = ["budget_bytes", "solver", "step_peak_bytes", "total_bytes", "recompute_pct",
                   "bound_pct", "proof", "solve_s", "error"]  # fmt: skip
@@ -130,7 +156,6 @@ def compare_command(args: argparse.Namespace) -> int:
                     (int(r["step_peak_bytes"]), float(r["recompute_pct"]))  # type: ignore[call-overload, arg-type]
                 )
         console.print(f"wrote {pareto_plot(points, args.plot)} (overhead vs step peak per solver)")
-    return 0
 
 
 def _compare_table(rows: list[dict[str, object]], title: str) -> Table:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,73 +67,10 @@ def build_joint(captured: Captured) -> JointGraph:
     graph = gm.graph
     tensors: dict[str, Any] = dict(captured.graph_module.named_parameters(remove_duplicate=False))
     tensors |= dict(captured.graph_module.named_buffers(remove_duplicate=False))
-
-    placeholders: list[Placeholder] = []
-    by_desc: dict[Any, Placeholder] = {}
-    canonical: dict[int, torch.fx.Node] = {}  # id(parameter tensor) -> first placeholder
-    aliases: dict[str, list[str]] = {}
-    for node in list(graph.nodes):
-        if node.op != "placeholder":
-            continue
-        desc = node.meta["desc"]
-        ph: Placeholder
-        if isinstance(desc, tc.ParamAOTInput):
-            ph = Placeholder(node.name, Role.PARAM, _fqn(desc.target))
-            first = canonical.setdefault(id(tensors[desc.target]), node)
-            if first is not node:
-                aliases.setdefault(_fqn(str(first.meta["desc"].target)), []).append(ph.key)  # type: ignore[arg-type]
-                by_desc[desc] = by_desc[first.meta["desc"]]
-                node.replace_all_uses_with(first)
-                graph.erase_node(node)
-                continue
-        elif isinstance(desc, tc.BufferAOTInput):
-            ph = Placeholder(node.name, Role.BUFFER, _fqn(desc.target))
-        elif isinstance(desc, tc.PlainAOTInput):
-            ph = Placeholder(node.name, Role.INPUT, desc.idx)
-        elif isinstance(desc, tc.TangentAOTInput) and isinstance(desc.output, tc.PlainAOTOutput):
-            ph = Placeholder(node.name, Role.TANGENT, desc.output.idx)
-        else:
-            raise NotImplementedError(f"unsupported joint-graph input {desc} ({node.name})")
-        by_desc[desc] = ph
-        placeholders.append(ph)
-
+    placeholders, by_desc, aliases = _placeholders(graph, tensors)
     output = graph.output_node()
-    user: list[str] = []
-    mutations: list[tuple[str, Placeholder]] = []
-    grads: dict[str, list[torch.fx.Node]] = {}
-    grad_of: dict[str, Placeholder] = {}
-    returned: Any = output.args[0]
-    for value, desc in zip(returned, output.meta["desc"], strict=True):
-        if value is None:
-            continue  # no gradient (an integer input, a buffer)
-        if isinstance(desc, tc.PlainAOTOutput):
-            if not isinstance(value, torch.fx.Node):
-                raise NotImplementedError(
-                    f"output {desc.idx} is not a tensor computed by the graph"
-                )
-            user.append(value.name)
-        elif isinstance(desc, tc.InputMutationAOTOutput):
-            mutations.append((value.name, by_desc[desc.mutated_input]))
-        elif isinstance(desc, tc.GradAOTOutput):
-            target = by_desc[desc.grad_of]
-            grads.setdefault(target.name, []).append(value)
-            grad_of[target.name] = target
-        else:
-            raise NotImplementedError(
-                f"unsupported joint-graph output {desc}: remat does not handle this model yet "
-                "(outputs aliasing each other or their inputs)"
-            )
-
-    grad_pairs: list[tuple[str, Placeholder]] = []
-    for target_name, nodes in grads.items():
-        total = nodes[0]
-        for extra in nodes[1:]:
-            later = max(total, extra, key=_position(graph))
-            with graph.inserting_after(later):
-                total = graph.call_function(torch.ops.aten.add.Tensor, (total, extra))
-            total.meta["val"] = _fake_add(total.args[0].meta["val"], extra.meta["val"])  # type: ignore[union-attr]
-            total.meta["partitioner_tag"] = "is_backward"
-        grad_pairs.append((total.name, grad_of[target_name]))
+    user, mutations, grads, grad_of = _outputs(output, by_desc)
+    grad_pairs = _summed_grads(graph, grads, grad_of)
 
     names = {n.name: n for n in graph.nodes}
     kept = (*user, *(m for m, _ in mutations), *(g for g, _ in grad_pairs))
@@ -162,6 +100,103 @@ def build_joint(captured: Captured) -> JointGraph:
         grads=tuple(grad_pairs),
         param_aliases=tuple((k, *v) for k, v in aliases.items()),
     )
+
+
+def _placeholders(
+    graph: torch.fx.Graph, tensors: Mapping[str, Any]
+) -> tuple[list[Placeholder], dict[Any, Placeholder], dict[str, list[str]]]:
+    """The joint graph's inputs by their descriptors (parameter, buffer, user input,
+    tangent), each descriptor's placeholder, and each tied parameter's other names. A
+    parameter reached under several names (tied weights) is one placeholder: the later ones
+    are erased and their uses redirected to the first."""
+    placeholders: list[Placeholder] = []
+    by_desc: dict[Any, Placeholder] = {}
+    canonical: dict[int, torch.fx.Node] = {}  # id(parameter tensor) -> first placeholder
+    aliases: dict[str, list[str]] = {}
+    for node in list(graph.nodes):
+        if node.op != "placeholder":
+            continue
+        desc = node.meta["desc"]
+        ph: Placeholder
+        if isinstance(desc, tc.ParamAOTInput):
+            ph = Placeholder(node.name, Role.PARAM, _fqn(desc.target))
+            first = canonical.setdefault(id(tensors[desc.target]), node)
+            if first is not node:
+                aliases.setdefault(_fqn(str(first.meta["desc"].target)), []).append(ph.key)  # type: ignore[arg-type]
+                by_desc[desc] = by_desc[first.meta["desc"]]
+                node.replace_all_uses_with(first)
+                graph.erase_node(node)
+                continue
+        elif isinstance(desc, tc.BufferAOTInput):
+            ph = Placeholder(node.name, Role.BUFFER, _fqn(desc.target))
+        elif isinstance(desc, tc.PlainAOTInput):
+            ph = Placeholder(node.name, Role.INPUT, desc.idx)
+        elif isinstance(desc, tc.TangentAOTInput) and isinstance(desc.output, tc.PlainAOTOutput):
+            ph = Placeholder(node.name, Role.TANGENT, desc.output.idx)
+        else:
+            raise NotImplementedError(f"unsupported joint-graph input {desc} ({node.name})")
+        by_desc[desc] = ph
+        placeholders.append(ph)
+    return placeholders, by_desc, aliases
+
+
+def _outputs(
+    output: torch.fx.Node, by_desc: Mapping[Any, Placeholder]
+) -> tuple[
+    list[str],
+    list[tuple[str, Placeholder]],
+    dict[str, list[torch.fx.Node]],
+    dict[str, Placeholder],
+]:
+    """The joint graph's outputs by their descriptors: the user outputs, the input mutations
+    (with the input each writes), and the gradients per input (a tied parameter's come once
+    per name) with the input each is for."""
+    user: list[str] = []
+    mutations: list[tuple[str, Placeholder]] = []
+    grads: dict[str, list[torch.fx.Node]] = {}
+    grad_of: dict[str, Placeholder] = {}
+    returned: Any = output.args[0]
+    for value, desc in zip(returned, output.meta["desc"], strict=True):
+        if value is None:
+            continue  # no gradient (an integer input, a buffer)
+        if isinstance(desc, tc.PlainAOTOutput):
+            if not isinstance(value, torch.fx.Node):
+                raise NotImplementedError(
+                    f"output {desc.idx} is not a tensor computed by the graph"
+                )
+            user.append(value.name)
+        elif isinstance(desc, tc.InputMutationAOTOutput):
+            mutations.append((value.name, by_desc[desc.mutated_input]))
+        elif isinstance(desc, tc.GradAOTOutput):
+            target = by_desc[desc.grad_of]
+            grads.setdefault(target.name, []).append(value)
+            grad_of[target.name] = target
+        else:
+            raise NotImplementedError(
+                f"unsupported joint-graph output {desc}: remat does not handle this model yet "
+                "(outputs aliasing each other or their inputs)"
+            )
+    return user, mutations, grads, grad_of
+
+
+def _summed_grads(
+    graph: torch.fx.Graph,
+    grads: Mapping[str, list[torch.fx.Node]],
+    grad_of: Mapping[str, Placeholder],
+) -> list[tuple[str, Placeholder]]:
+    """One gradient node per input: a tied parameter's several gradients summed, each sum
+    after the later of its two terms, tagged as backward."""
+    grad_pairs: list[tuple[str, Placeholder]] = []
+    for target_name, nodes in grads.items():
+        total = nodes[0]
+        for extra in nodes[1:]:
+            later = max(total, extra, key=_position(graph))
+            with graph.inserting_after(later):
+                total = graph.call_function(torch.ops.aten.add.Tensor, (total, extra))
+            total.meta["val"] = _fake_add(total.args[0].meta["val"], extra.meta["val"])  # type: ignore[union-attr]
+            total.meta["partitioner_tag"] = "is_backward"
+        grad_pairs.append((total.name, grad_of[target_name]))
+    return grad_pairs
 
 
 def backward_nodes(graph: torch.fx.Graph, tangents: set[str]) -> set[str]:
