@@ -32,6 +32,7 @@ import pulp
 from remat.problem import EXTERNAL_ROLES, Problem, Role, Value
 from remat.solver import clock
 from remat.solver.backend import best_bound, objective_scale
+from remat.solver.milp_constants import backward_constants, forward_constants
 from remat.solver.plan import Plan
 from remat.solver.simulate import Simulation
 
@@ -94,27 +95,49 @@ class MilpModel:
         self.fix = dict(fix or {})
         """Forward values fixed as in a start plan (a neighbourhood solve) -> the stage (backward
         op) they are recomputed for, ``SAVED`` or ``UNUSED``."""
-        values = problem.by_name
-        self.fwd = [v.name for v in problem.values if v.role is Role.FORWARD]
-        self.pos = {n: i for i, n in enumerate(self.fwd)}
         bw = [v for v in problem.values if v.role is Role.BACKWARD]
+        self._stages(bw)
+        self._windows()
+        owned_by_fwd = self._storages()
+        self.bw_const = backward_constants(
+            problem, bw, self.stage_k, self.user_storages, owned_by_fwd
+        )
+        self.fw_const = forward_constants(
+            problem, self.fwd, self.pos, self.fwd_storages, self.user_storages
+        )
+        self.floor = max([*self.bw_const.base, *self.fw_const.base, self.bw_const.tail_max])
+        """Live bytes whatever the plan: no budget below it is feasible."""
+        if budget is not None and budget < self.floor:
+            raise BelowFloor(self.floor)  # nothing to build
+        self.lp = pulp.LpProblem("remat", pulp.LpMinimize)
+        self._build(budget)
+
+    # ----------------------------------------------------------------- indexes
+    def _stages(self, bw: list[Value]) -> None:
+        """Forward values in order, and the stages: the backward ops (of ``bw``, the backward
+        in order) that read forward values, where recomputations happen."""
+        self.fwd = [v.name for v in self.problem.values if v.role is Role.FORWARD]
+        self.pos = {n: i for i, n in enumerate(self.fwd)}
         self.bw_index = {v.name: k for k, v in enumerate(bw)}
         fwd_set = set(self.fwd)
         self.stages = [v.name for v in bw if any(i in fwd_set for i in v.inputs)]
         self.stage_of_op = {n: t for t, n in enumerate(self.stages)}
-        T = len(self.stages)
-        self.T = T
+        self.T = len(self.stages)
+        self.stage_k = [self.bw_index[n] for n in self.stages]
 
-        # Direct backward reads, forward consumers, windows.
+    def _windows(self) -> None:
+        """Direct backward reads, forward consumers, and each value's window: the stages at
+        which it may be recomputed (read there, or by a consumer recomputed there)."""
+        values = self.problem.by_name
         self.direct: dict[str, set[int]] = {n: set() for n in self.fwd}
         for t, name in enumerate(self.stages):
             for i in values[name].inputs:
-                if i in fwd_set:
+                if i in self.pos:
                     self.direct[i].add(t)
         self.consumers: dict[str, list[str]] = {n: [] for n in self.fwd}
         for n in self.fwd:
             for i in dict.fromkeys(values[n].inputs):
-                if i in fwd_set:
+                if i in self.pos:
                     self.consumers[i].append(n)
         window: dict[str, set[int]] = {}
         for n in reversed(self.fwd):
@@ -127,8 +150,11 @@ class MilpModel:
         self.last_direct = {n: max(d) if d else -1 for n, d in self.direct.items()}
         self.last_possible = {n: max(window[n]) if window[n] else -1 for n in self.fwd}
 
-        # Storages owned by forward values; user outputs' storages are held all step long.
-        self.user_storages = {s for o in problem.user_outputs for s in values[o].storages}
+    def _storages(self) -> set[str]:
+        """Storages owned by forward values, with their forward holders; user outputs'
+        storages are held all step long. Returns the storages forward values allocate."""
+        values = self.problem.by_name
+        self.user_storages = {s for o in self.problem.user_outputs for s in values[o].storages}
         self.fwd_storages: dict[str, list[str]] = {}  # storage -> forward holders
         for n in self.fwd:
             for s in values[n].storages:
@@ -136,123 +162,7 @@ class MilpModel:
                     self.fwd_storages.setdefault(s, []).append(n)
         owned_by_fwd = {s for n in self.fwd for s in values[n].allocates}
         self.fwd_storages = {s: h for s, h in self.fwd_storages.items() if s in owned_by_fwd}
-
-        self._backward_base(bw, owned_by_fwd)
-        self._forward_base()
-        self.floor = max([*self.bw_base, *self.fw_base, self.tail_max])
-        """Live bytes whatever the plan: no budget below it is feasible."""
-        if budget is not None and budget < self.floor:
-            raise BelowFloor(self.floor)  # nothing to build
-        self.lp = pulp.LpProblem("remat", pulp.LpMinimize)
-        self._build(budget)
-
-    # ----------------------------------------------------------------- constants
-    def _backward_base(self, bw: list[Value], owned_by_fwd: set[str]) -> None:
-        """Plan-independent live bytes at each backward op: tangents, backward values, user
-        outputs; and which forward storages backward values hold (views of forward values)."""
-        p = self.problem
-        values = p.by_name
-        last: dict[str, int] = {}
-        for k, v in enumerate(bw):
-            for i in v.inputs:
-                last[i] = k
-        grads = set(p.grad_outputs) if p.grads_held else set()
-        tangent_storages = {s for t in p.values if t.role is Role.TANGENT for s in t.storages}
-        const = p.storages_bytes(self.user_storages) + p.storages_bytes(tangent_storages)
-        # The engine holds the tangents all backward long: views of them add nothing.
-        holders: dict[str, int] = dict.fromkeys(tangent_storages, 1)
-        live = const
-        self.bw_base: list[int] = []
-        self.bw_after: list[int] = []
-        self.bw_hold: list[frozenset[str]] = []  # forward storages backward values hold at op k
-        self.bw_hold_after: list[frozenset[str]] = []
-        fwd_held: dict[str, int] = {}
-        for k, v in enumerate(bw):
-            for s in v.storages:
-                if s in owned_by_fwd:
-                    fwd_held[s] = fwd_held.get(s, 0) + 1
-                    continue
-                if s in self.user_storages:
-                    continue
-                if holders.get(s, 0) == 0:
-                    live += p.storage_bytes[s]
-                holders[s] = holders.get(s, 0) + 1
-            self.bw_base.append(live + v.scratch_bytes)  # the kernel's scratch, while it runs
-            self.bw_hold.append(frozenset(s for s, c in fwd_held.items() if c))
-            dead = [i for i in v.inputs if last.get(i) == k and values[i].role is Role.BACKWARD]
-            if v.name not in last and v.name not in grads:
-                dead.append(v.name)
-            for d in dead:
-                if d in grads:
-                    continue
-                for s in values[d].storages:
-                    if s in owned_by_fwd:
-                        fwd_held[s] -= 1
-                        continue
-                    if s in self.user_storages:
-                        continue
-                    holders[s] -= 1
-                    if holders[s] == 0:
-                        live -= p.storage_bytes[s]
-            self.bw_after.append(live)
-            self.bw_hold_after.append(frozenset(s for s, c in fwd_held.items() if c))
-        self.stage_k = [self.bw_index[n] for n in self.stages]
-        # The backward ops strictly between two stages (the gaps): the largest base for each
-        # set of forward storages backward values hold there; and the live base right before
-        # each stage's recomputations start.
-        self.gap_max: list[dict[frozenset[str], int]] = []
-        self.pre_base: list[int] = []
-        self.pre_hold: list[frozenset[str]] = []
-        prev = -1
-        start = const  # tangents allocated, outputs held: the "output gradients" moment
-        for t in range(self.T):
-            k = self.stage_k[t]
-            gap: dict[frozenset[str], int] = {frozenset(): start} if t == 0 else {}
-            for kk in range(prev + 1, k):
-                held = self.bw_hold[kk]
-                gap[held] = max(gap.get(held, 0), self.bw_base[kk])
-            self.gap_max.append(gap)
-            self.pre_base.append(self.bw_after[k - 1] if k > 0 else start)
-            self.pre_hold.append(self.bw_hold_after[k - 1] if k > 0 else frozenset())
-            prev = k
-        self.tail_max = max(self.bw_base[prev + 1 :], default=0)
-
-    def _forward_base(self) -> None:
-        """Live bytes along the forward when nothing is saved, and each core storage's death."""
-        p = self.problem
-        values = p.by_name
-        keep = set(p.user_outputs) | set(p.mutation_outputs)
-        targets = keep | {n for n in self.fwd if values[n].never_recomputed}
-        core: set[str] = set()
-        for n in reversed(self.fwd):
-            if n in targets:
-                core.add(n)
-                targets.update(values[n].inputs)
-        self.core = core
-        last: dict[str, int] = {}
-        for n in self.fwd:
-            if n in core:
-                for i in values[n].inputs:
-                    last[i] = self.pos[n]
-        end = len(self.fwd)
-        for n in keep:
-            last[n] = end
-        self.death: dict[str, int] = {}
-        for s, holders in self.fwd_storages.items():
-            core_holders = [h for h in holders if h in core]
-            if core_holders:
-                self.death[s] = max(last.get(h, self.pos[h]) for h in core_holders)
-        alloc = {s: self.pos[n] for n in self.fwd for s in values[n].allocates}
-        self.fw_base: list[int] = []
-        for k, n in enumerate(self.fwd):
-            live = p.storages_bytes(
-                s
-                for s, d in self.death.items()
-                if alloc[s] <= k <= d and (n in core or alloc[s] < k)
-            )
-            live += p.storages_bytes(s for s in self.user_storages if alloc.get(s, end) <= k)
-            # An optional op's scratch counts only if it runs (the model's f[n]).
-            self.fw_base.append(live + (values[n].scratch_bytes if n in core else 0))
+        return owned_by_fwd
 
     # ----------------------------------------------------------------- model
     def _tick(self) -> None:
@@ -402,7 +312,7 @@ class MilpModel:
             self._tick()
             for s in values[o].allocates:
                 for t, r in self.R_of[o]:
-                    if s in self.user_storages or s in self.pre_hold[t]:
+                    if s in self.user_storages or s in self.bw_const.pre_hold[t]:
                         lp += r == 0, f"copy_{_safe(s)}_{t}"
                         continue
                     for h in self.fwd_storages.get(s, ()):
@@ -435,7 +345,7 @@ class MilpModel:
                         if isinstance(use, float) and use == 0.0:
                             continue
                         terms.append(mat + use - 1)
-                    bw_held = kind == "a" and s in self.bw_hold[self.stage_k[t]]
+                    bw_held = kind == "a" and s in self.bw_const.hold[self.stage_k[t]]
                     if not terms and not bw_held:
                         continue
                     var = self._var(f"{kind}_{_safe(s)}_{t}", lowBound=0, upBound=1)
@@ -457,10 +367,10 @@ class MilpModel:
         for t in range(self.memory_from, T):
             self._tick()
             lp += (
-                self.bw_base[self.stage_k[t]] + pulp.lpSum(b * v for b, v in at_op[t]) <= M,
+                self.bw_const.base[self.stage_k[t]] + pulp.lpSum(b * v for b, v in at_op[t]) <= M,
                 f"mem_stage_{t}",
             )
-            for g, (held, base) in enumerate(self.gap_max[t].items()):
+            for g, (held, base) in enumerate(self.bw_const.gap_max[t].items()):
                 lp += (
                     base
                     + p.storages_bytes(held)
@@ -468,8 +378,8 @@ class MilpModel:
                     <= M,
                     f"mem_gap_{t}_{g}",
                 )
-        if self.tail_max:
-            lp += pulp.lpSum([]) + self.tail_max <= M, "mem_tail"
+        if self.bw_const.tail_max:
+            lp += pulp.lpSum([]) + self.bw_const.tail_max <= M, "mem_tail"
 
     def _forward_memory(self) -> None:
         """Forward: saved storages outlive their natural death; optional ops run only if saved."""
@@ -482,7 +392,7 @@ class MilpModel:
         # Optional forward ops (no output needs them) run only to produce a saved value:
         # f[n] says n runs. A storage lives past its natural death (core ops only) until its
         # last running optional consumer, and to the end of the forward if saved.
-        optional = [n for n in self.fwd if n not in self.core]
+        optional = [n for n in self.fwd if n not in self.fw_const.core]
         f = {n: self._var(f"f_{self.pos[n]}", lowBound=0, upBound=1) for n in optional}
         for n in optional:
             lp += f[n] >= self.s[n]
@@ -494,7 +404,7 @@ class MilpModel:
         transient: dict[int, list[tuple[int, pulp.LpVariable]]] = {}
         for st, holders in self.fwd_storages.items():
             n = owner[st]
-            start = self.pos[n] if n in f else self.death[st] + 1
+            start = self.pos[n] if n in f else self.fw_const.death[st] + 1
             users = sorted({w for h in holders for w in self.consumers[h] if w in f})
             users = [w for w in users if self.pos[w] >= start]
             last = max([self.pos[w] for w in users], default=start - 1)
@@ -518,7 +428,7 @@ class MilpModel:
             n = self.fwd[k]
             if n in f and values[n].scratch_bytes:
                 extra += values[n].scratch_bytes * f[n]
-            lp += self.fw_base[k] + running + extra <= M, f"mem_fw_{k}"
+            lp += self.fw_const.base[k] + running + extra <= M, f"mem_fw_{k}"
 
     def _objective(self, budget: int | None) -> None:
         """Recompute time in nanoseconds: solvers' default absolute gaps (HiGHS: 1e-6) would
@@ -553,7 +463,7 @@ class MilpModel:
         p, lp = self.problem, self.lp
         pw = self.pos[w]
         terms = []
-        held = self.pre_hold[t]
+        held = self.bw_const.pre_hold[t]
         for s, holders in self.fwd_storages.items():
             if s in held:
                 continue
@@ -591,7 +501,7 @@ class MilpModel:
                 terms.append((p.storage_bytes[s], a))
         scratch = p.by_name[w].scratch_bytes  # w's kernel, while it runs
         lp += (
-            self.pre_base[t]
+            self.bw_const.pre_base[t]
             + scratch
             + p.storages_bytes(held)
             + pulp.lpSum(b * a for b, a in terms)

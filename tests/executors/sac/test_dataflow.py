@@ -20,7 +20,7 @@ from remat.executors.sac import planner, regions, traced_chain
 from remat.executors.sac.trace import FakeModel, TraceError
 from remat.measure.meter import measure_step
 from remat.measure.profiles import get_profile
-from remat.solver import executor
+from remat.solver import executor, sac_index
 from remat.solver.plan import Proof, make_plan
 from remat.solver.simulate import SecondCopyError, simulate
 from tests.checks import assert_trains_like_eager
@@ -141,7 +141,7 @@ def test_a_region_without_checkpoint_differs_from_keeping_nothing_where_its_stor
         at = {(s.phase, s.name, s.recompute): i for i, s in enumerate(timeline)}
         offset = len(nothing.forward) + 2
         moment = {n: k + offset for k, n in enumerate(nothing.backward)}
-        markers = executor._regions(problem).markers
+        markers = sac_index._regions(problem).markers
         assert len(markers) == len(regions_)
         for marker in markers.values():
             alone = simulate(problem, executor._sac_schedule(problem, frozenset({marker})))
