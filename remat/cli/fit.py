@@ -93,6 +93,19 @@ def fit_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
         return 0
+    _print_report(report, args, built, executor, console, wall)
+    return 0
+
+
+def _print_report(
+    report: FitReport,
+    args: argparse.Namespace,
+    built: Built,
+    executor: Executor,
+    console: Console,
+    wall: float,
+) -> None:
+    """The fit's table, hints, formula and ``--plot``, with the wall time and peak RSS."""
     d = report.budget
     console.print(
         f"[bold]{built.description}[/]; {args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}"
@@ -133,7 +146,6 @@ def fit_command(args: argparse.Namespace) -> int:
         console.print(f"wrote {path} (device memory against sequence length, per plan)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     console.print(f"wall time {wall:.1f} s, max RSS {rss:.2f} GiB")
-    return 0
 
 
 def _fit_pipeline(

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import Unpack
 
 from remat import _torch_compat as tc
-from remat.budget import PRECISIONS, autocast_cache_hint
+from remat.budget import PRECISIONS, Options, autocast_cache_hint
 from remat.executors.sac import agree, planner, regions
 from remat.executors.sac.files import file_regions, save_plan
 from remat.executors.sac.hf import disable_kv_cache, restore_kv_cache
@@ -233,18 +233,7 @@ def _apply(
         restore_kv_cache(model, use_cache)  # a failed apply leaves the model as it was
         raise
     t1 = time.perf_counter()
-    chosen = replace(planner.to_plan(problem, solution), step=step_planned(loss, pipeline))
-    if chose:
-        chosen = replace(chosen, reason=f"{chose}; {chosen.reason}")
-    if AUTOCAST.get(options.precision) is not None and any(
-        p is not None for p in solution.policies
-    ):
-        chosen = replace(
-            chosen,
-            reason=f"{chosen.reason}; autocast's cast cache is off inside the checkpointed "
-            "regions (the same values; each 16-bit weight copy dies with its region, not at "
-            "the forward's end)",
-        )
+    chosen = _chosen(problem, solution, chose, options, step_planned(loss, pipeline))
     if device is not None:
         chosen = replace(chosen, device_memory=device.breakdown(chosen))
 
@@ -272,6 +261,30 @@ def _apply(
         eager_schedule=problem.baseline.schedule,
     )
     return model
+
+
+def _chosen(
+    problem: planner.NativeProblem,
+    solution: planner.Solution,
+    chose: str,
+    options: Options,
+    step: str,
+) -> Plan:
+    """The plan ``remat.plan_of`` returns, its reason saying how the blocks were chosen and
+    that autocast's cast cache is off inside checkpointed regions, where that holds."""
+    chosen = replace(planner.to_plan(problem, solution), step=step)
+    if chose:
+        chosen = replace(chosen, reason=f"{chose}; {chosen.reason}")
+    if AUTOCAST.get(options.precision) is not None and any(
+        p is not None for p in solution.policies
+    ):
+        chosen = replace(
+            chosen,
+            reason=f"{chosen.reason}; autocast's cast cache is off inside the checkpointed "
+            "regions (the same values; each 16-bit weight copy dies with its region, not at "
+            "the forward's end)",
+        )
+    return chosen
 
 
 def _times(trace: StepTrace) -> tuple[float, float]:

@@ -141,30 +141,7 @@ class FakeModel:
         """The pipeline's process group in a tensor-parallel fake world (None: the fake
         world's default group, of the pipeline's ranks alone)."""
         if pipeline is not None:
-            if real:
-                raise TraceError(
-                    "a pipeline stage is planned on FakeTensors, and this model's step "
-                    "cannot run on them"
-                )
-            pipeline.check_modules(model)
-            dp = fsdp_world or 1
-            if self.world is None and dp == 1:
-                self.world = tc.FakeWorld(pipeline.ranks, rank=pipeline.stage)
-            else:  # the pipeline and the data-parallel ranks on one mesh
-                if self.world is None and tc.tensor_parallel_mesh(model) is not None:
-                    raise TraceError(
-                        "a tensor-parallel pipeline stage with FSDP2 inside it is planned "
-                        "ahead of the job, not in it yet: plan it on FakeTensors with "
-                        "remat.parallel.tensor.tensor_parallel(stage, tp_size, dp_size=..., "
-                        "pp_size=..., pp_rank=...) (remat plan --pp-size --tp-size "
-                        "--zero-stage 3), save the plan and apply the file in the job"
-                    )
-                if self.world is None:
-                    dims = [("pp", pipeline.ranks), ("dp", dp)]
-                    self.world = tc.fake_mesh_world(dims, pipeline.stage * dp)
-                self._pp_group = _pipeline_group(self.world, pipeline)
-            with self.mode:
-                self.target = tc.tree_map(self._fake, target)
+            self._join_pipeline(model, pipeline, fsdp_world or 1, target)
         self._sharded = fsdp_world is not None
         if fsdp_world is not None:
             if real:
@@ -181,6 +158,33 @@ class FakeModel:
                 else None
             )
             self._shard(units, fsdp_world, fsdp_param_dtype, roots)
+
+    def _join_pipeline(self, model: nn.Module, pipeline: Pipeline, dp: int, target: Any) -> None:
+        """The fake world of a pipeline stage's ranks (with ``dp`` data-parallel ranks beside
+        them, on one mesh), its process group, and the last stage's target on the copy."""
+        if self.real:
+            raise TraceError(
+                "a pipeline stage is planned on FakeTensors, and this model's step "
+                "cannot run on them"
+            )
+        pipeline.check_modules(model)
+        if self.world is None and dp == 1:
+            self.world = tc.FakeWorld(pipeline.ranks, rank=pipeline.stage)
+        else:  # the pipeline and the data-parallel ranks on one mesh
+            if self.world is None and tc.tensor_parallel_mesh(model) is not None:
+                raise TraceError(
+                    "a tensor-parallel pipeline stage with FSDP2 inside it is planned "
+                    "ahead of the job, not in it yet: plan it on FakeTensors with "
+                    "remat.parallel.tensor.tensor_parallel(stage, tp_size, dp_size=..., "
+                    "pp_size=..., pp_rank=...) (remat plan --pp-size --tp-size "
+                    "--zero-stage 3), save the plan and apply the file in the job"
+                )
+            if self.world is None:
+                dims = [("pp", pipeline.ranks), ("dp", dp)]
+                self.world = tc.fake_mesh_world(dims, pipeline.stage * dp)
+            self._pp_group = _pipeline_group(self.world, pipeline)
+        with self.mode:
+            self.target = tc.tree_map(self._fake, target)
 
     def _shard(
         self,
