@@ -66,9 +66,14 @@ def test_fit_and_the_formula_ask_the_executor_which_refuses_the_other_ones_deep_
     """``remat.fit`` and ``remat.memory_formula`` dispatch on the executor; each executor
     names the argument that belongs to the other one rather than ignore it."""
     model, tokens = _model()
-    with pytest.raises(ValueError, match="copies= is for executor 'sac'"):
+    with pytest.raises(
+        ValueError, match="copies= is not for executor .graph.: it fits a deep stack on one shallow"
+    ):
         remat.fit.fit(model, (tokens,), budget_gb=1, executor="graph", copies=lambda n: model)
-    with pytest.raises(ValueError, match="shallow= is for the graph executor"):
+    with pytest.raises(
+        ValueError,
+        match="shallow= is not for executor .sac.: it fits a deep stack on copies of two",
+    ):
         remat.fit.fit(model, (tokens,), budget_gb=1, executor=SAC, shallow=(model, 2, 2))
     with pytest.raises(ValueError, match="executor='sac' takes one of remat.apply's fixed"):
         remat.memory_formula(model, (tokens,), executor="sac", plan="megatron")

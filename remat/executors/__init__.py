@@ -20,7 +20,6 @@ from typing import Any
 
 from torch import nn
 
-from remat.budget import DeviceBudget, StaticMemory
 from remat.executors.base import Comparison, Executor, Planned, Solved
 from remat.executors.graph.analyze import analyze
 from remat.executors.graph.module import RematModule
@@ -38,15 +37,16 @@ from remat.executors.sac.report import explain_applied
 from remat.executors.sac.state import applied
 from remat.fit.graph_formula import analyze_dynamic, formula_of
 from remat.fit.peak import MemoryFormula
-from remat.fit.sac_formula import Copies, native_dynamic
+from remat.fit.questions import FitQuestion, FormulaQuestion
 from remat.fit.sac_formula import formula_of as native_formula_of
+from remat.fit.sac_formula import native_dynamic
 from remat.fit.search import FitReport, fit_graph, fit_sac
 from remat.measure.meter import Loss
 from remat.measure.profiles import get_profile
 from remat.plan.report import explain_plan
 from remat.request import Request, as_args, resolve_profile
 from remat.solver.config import BudgetError, SolverConfig
-from remat.solver.plan import Plan, Proof, proven
+from remat.solver.plan import Proof, proven
 from remat.solver.registry import HEURISTICS, SOLVERS, least_peak, solve
 
 
@@ -138,6 +138,7 @@ class GraphExecutor(Executor):
     distributed = False
     own_forward = False
     comparison = _GraphComparison
+    deep = "shallow"
 
     def _entry(self, model: nn.Module, example_inputs: Any, **kwargs: Any) -> nn.Module:
         return optimize(model, example_inputs, **kwargs)
@@ -153,50 +154,19 @@ class GraphExecutor(Executor):
             module.save_plan,
         )
 
-    def fit(
-        self,
-        model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        request: Request,
-        budget: DeviceBudget,
-        *,
-        max_batch: int,
-        loss: Loss | None,
-        shallow: tuple[nn.Module, int, int] | None = None,
-        copies: Copies | None = None,
-    ) -> FitReport:
-        if copies is not None:
-            raise ValueError(
-                "copies= is for executor 'sac'; the graph executor fits a deep stack on one "
-                "shallow copy (shallow=)"
-            )
-        return fit_graph(
-            model, args, kwargs, request, budget, max_batch=max_batch, shallow=shallow, loss=loss
-        )
+    def fit(self, question: FitQuestion) -> FitReport:
+        self._only_deep(shallow=question.shallow, copies=question.copies)
+        return fit_graph(question)
 
-    def memory_formula(
-        self,
-        model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        request: Request,
-        plan: str | Plan,
-        static: StaticMemory,
-        *,
-        seq: bool | None,
-        loss: Loss | None,
-        copies: Copies | None = None,
-    ) -> MemoryFormula:
-        if copies is not None:
-            raise ValueError("copies= is for executor 'sac'")
-        options = request.training
+    def memory_formula(self, question: FormulaQuestion) -> MemoryFormula:
+        self._only_deep(copies=question.copies)
+        q, options = question, question.request.training
         dynamic = analyze_dynamic(
-            model, args, example_kwargs=kwargs, precision=options.precision,
-            grads_held=not options.grads_released, device_profile=request.device_profile,
-            max_seq=request.max_seq, seq=seq, progress=request.progress, loss=loss,
+            q.model, q.args, example_kwargs=q.kwargs, precision=options.precision,
+            grads_held=not options.grads_released, device_profile=q.request.device_profile,
+            max_seq=q.request.max_seq, seq=q.seq, progress=q.request.progress, loss=q.loss,
         )  # fmt: skip
-        return formula_of(dynamic, plan, static)
+        return formula_of(dynamic, q.plan, q.static)
 
 
 class SacExecutor(Executor):
@@ -209,6 +179,7 @@ class SacExecutor(Executor):
     distributed = True
     own_forward = True
     comparison = _SacComparison
+    deep = "copies"
 
     def _entry(self, model: nn.Module, example_inputs: Any, **kwargs: Any) -> nn.Module:
         return apply(model, example_inputs, **kwargs)
@@ -223,49 +194,21 @@ class SacExecutor(Executor):
             lambda path: native_save_plan(module, path),
         )
 
-    def fit(
-        self,
-        model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        request: Request,
-        budget: DeviceBudget,
-        *,
-        max_batch: int,
-        loss: Loss | None,
-        shallow: tuple[nn.Module, int, int] | None = None,
-        copies: Copies | None = None,
-    ) -> FitReport:
-        if shallow is not None:
-            raise ValueError(
-                "shallow= is for the graph executor; executor 'sac' fits a deep stack on "
-                "copies of two depths (copies=)"
-            )
-        return fit_sac(
-            model, args, kwargs, request, budget, max_batch=max_batch, copies=copies, loss=loss
-        )
+    def fit(self, question: FitQuestion) -> FitReport:
+        self._only_deep(shallow=question.shallow, copies=question.copies)
+        return fit_sac(question)
 
-    def memory_formula(
-        self,
-        model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        request: Request,
-        plan: str | Plan,
-        static: StaticMemory,
-        *,
-        seq: bool | None,
-        loss: Loss | None,
-        copies: Copies | None = None,
-    ) -> MemoryFormula:
-        if not isinstance(plan, str) or plan not in NATIVE_PLANS:
+    def memory_formula(self, question: FormulaQuestion) -> MemoryFormula:
+        q = question
+        if not isinstance(q.plan, str) or q.plan not in NATIVE_PLANS:
             raise ValueError(
                 f"executor='sac' takes one of remat.apply's fixed plans ({', '.join(NATIVE_PLANS)})"
             )
         native, _ = native_dynamic(
-            model, args, kwargs, request, plans=(plan,), seq=seq, copies=copies, loss=loss
-        )
-        return native_formula_of(native, plan, static)
+            q.model, q.args, q.kwargs, q.request, plans=(q.plan,), seq=q.seq, copies=q.copies,
+            loss=q.loss,
+        )  # fmt: skip
+        return native_formula_of(native, q.plan, q.static)
 
 
 GRAPH = GraphExecutor()

@@ -14,9 +14,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from remat.budget import DeviceBudget, StaticMemory
 from remat.fit.peak import MemoryFormula
-from remat.fit.sac_formula import Copies
+from remat.fit.questions import FitQuestion, FormulaQuestion
 from remat.fit.search import FitReport
 from remat.measure.meter import Loss
 from remat.request import Request
@@ -76,6 +75,10 @@ class Comparison(ABC):
         """Solver ``name``'s plan at a step budget (:class:`BudgetError` where none fits)."""
 
 
+DEEP = {"shallow": "one shallow copy", "copies": "copies of two depths"}
+"""How each executor fits a deep stack: ``remat.fit.fit``'s argument -> what it is."""
+
+
 class Executor(ABC):
     """What turns a plan into a running step: :data:`EXECUTORS` holds one per name."""
 
@@ -92,6 +95,9 @@ class Executor(ABC):
     rather than graphs that carry their casts."""
     comparison: ClassVar[type[Comparison]]
     """How ``remat compare`` runs every solver of this executor."""
+    deep: ClassVar[str]
+    """The argument of :func:`remat.fit.fit` that fits a deep stack on shallower models
+    (:data:`DEEP`)."""
 
     def __str__(self) -> str:
         return self.description
@@ -142,36 +148,20 @@ class Executor(ABC):
         """The entry point's module, with its plan, report and plan file."""
 
     @abstractmethod
-    def fit(
-        self,
-        model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        request: Request,
-        budget: DeviceBudget,
-        *,
-        max_batch: int,
-        loss: Loss | None,
-        shallow: tuple[nn.Module, int, int] | None = None,
-        copies: Copies | None = None,
-    ) -> FitReport:
-        """What fits ``budget`` on this executor (:func:`remat.fit.fit`, which resolved
-        ``request.max_seq``). ``shallow`` (a copy with fewer layers) and ``copies`` (a builder
-        of copies) fit a deep stack on shallower models, each for the executor that takes
-        it."""
+    def fit(self, question: FitQuestion) -> FitReport:
+        """What fits on this executor (:func:`remat.fit.fit`, which resolved
+        ``question.request.max_seq``); a deep stack is fitted on shallower models, through
+        the argument this executor takes (:attr:`deep`)."""
 
     @abstractmethod
-    def memory_formula(
-        self,
-        model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        request: Request,
-        plan: str | Plan,
-        static: StaticMemory,
-        *,
-        seq: bool | None,
-        loss: Loss | None,
-        copies: Copies | None = None,
-    ) -> MemoryFormula:
+    def memory_formula(self, question: FormulaQuestion) -> MemoryFormula:
         """``plan``'s device peak as a formula in ``(b, s)`` (:func:`remat.memory_formula`)."""
+
+    def _only_deep(self, **given: Any) -> None:
+        """Refuse the other executor's deep-stack argument by name rather than ignore it."""
+        for name, value in given.items():
+            if value is not None and name != self.deep:
+                raise ValueError(
+                    f"{name}= is not for executor {self.name!r}: it fits a deep stack on "
+                    f"{DEEP[self.deep]} ({self.deep}=)"
+                )

@@ -24,6 +24,7 @@ from remat.budget import OptimizerName, Precision
 from remat.executors import Executor, executor_named
 from remat.fit.graph_formula import RangeFormula, analyze_dynamic, formula_of
 from remat.fit.peak import MemoryFormula
+from remat.fit.questions import FormulaQuestion
 from remat.fit.sac_formula import Copies
 from remat.measure.meter import Loss
 from remat.measure.profiles import DeviceProfile
@@ -76,7 +77,9 @@ def memory_formula(
         progress=progress,
     )  # fmt: skip
     return executor_named(executor).memory_formula(
-        model, as_args(example_inputs), dict(example_kwargs or {}), request, plan,
-        model_static_memory(model, request.training), seq=seq, copies=copies,
-        loss=Loss.of(loss_fn, target),
+        FormulaQuestion(
+            model=model, args=as_args(example_inputs), kwargs=dict(example_kwargs or {}),
+            request=request, plan=plan, static=model_static_memory(model, request.training),
+            seq=seq, loss=Loss.of(loss_fn, target), copies=copies,
+        )
     )  # fmt: skip

@@ -31,12 +31,12 @@ from remat.executors.graph.analyze import analyze
 from remat.executors.graph.loss import loss_at
 from remat.fit.graph_formula import MemoryFormula, RangeFormula, analyze_dynamic, formula_of
 from remat.fit.graph_shapes import Dims, DynamicProblem, ShapeRange, capture_dynamic_deep
-from remat.fit.sac_formula import Copies, native_dynamic
+from remat.fit.questions import FitQuestion
 from remat.fit.sac_formula import formula_of as native_formula_of
+from remat.fit.sac_formula import native_dynamic
 from remat.fit.sac_shapes import NativeDynamic
-from remat.measure.meter import Loss
 from remat.measure.profiles import DeviceProfile, get_profile
-from remat.request import Request, resolve_profile
+from remat.request import resolve_profile
 from remat.solver.chain import chain_menu
 from remat.solver.config import SolverConfig
 from remat.solver.formula import peak_candidates, step_polynomials
@@ -414,54 +414,38 @@ def fit_native(
     )
 
 
-def fit_sac(
-    model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    request: Request,
-    budget: DeviceBudget,
-    *,
-    max_batch: int,
-    copies: Copies | None,
-    loss: Loss | None,
-) -> FitReport:
-    """:func:`remat.fit.fit` for the ``sac`` executor (``request.max_seq`` resolved): the
-    fixed plans and the chain DP's menus, traced at the fit's shapes
-    (:func:`remat.fit.sac_formula.native_dynamic`), searched by :func:`fit_native`."""
-    dims = Dims.of(args, kwargs)
-    native, _ = native_dynamic(model, args, kwargs, request, menus=True, copies=copies, loss=loss)
-    profile = get_profile(resolve_profile(model, request.device_profile))
+def fit_sac(question: FitQuestion) -> FitReport:
+    """:func:`remat.fit.fit` for the ``sac`` executor: the fixed plans and the chain DP's
+    menus, traced at the fit's shapes (:func:`remat.fit.sac_formula.native_dynamic`),
+    searched by :func:`fit_native`."""
+    q, req = question, question.request
+    dims = Dims.of(q.args, q.kwargs)
+    native, _ = native_dynamic(
+        q.model, q.args, q.kwargs, req, menus=True, copies=q.copies, loss=q.loss
+    )
+    profile = get_profile(resolve_profile(q.model, req.device_profile))
     return fit_native(
-        native, budget, profile, batch=dims.batch, seq=dims.seq, seq_limit=request.max_seq,
-        batch_limit=max_batch, progress=request.progress,
+        native, q.budget, profile, batch=dims.batch, seq=dims.seq, seq_limit=req.max_seq,
+        batch_limit=q.max_batch, progress=req.progress,
     )  # fmt: skip
 
 
-def fit_graph(
-    model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    request: Request,
-    budget: DeviceBudget,
-    *,
-    max_batch: int,
-    shallow: tuple[nn.Module, int, int] | None,
-    loss: Loss | None,
-) -> FitReport:
-    """:func:`remat.fit.fit` for the whole-graph executor (``request.max_seq`` resolved): the
-    step captured at a few shapes (on ``shallow``'s copy for a deep stack), searched by
-    :func:`fit_dynamic`."""
+def fit_graph(question: FitQuestion) -> FitReport:
+    """:func:`remat.fit.fit` for the whole-graph executor: the step captured at a few shapes
+    (on ``question.shallow``'s copy for a deep stack), searched by :func:`fit_dynamic`."""
+    model, args, kwargs, loss = question.model, question.args, question.kwargs, question.loss
+    request, budget, max_batch = question.request, question.budget, question.max_batch
     dims = Dims.of(args, kwargs)
     precision, grads_held = request.training.precision, not request.training.grads_released
     profile = resolve_profile(model, request.device_profile)
     max_seq, progress = request.max_seq, request.progress
-    if shallow is None:
+    if question.shallow is None:
         dynamic = analyze_dynamic(
             model, args, example_kwargs=kwargs, precision=precision, grads_held=grads_held,
             device_profile=profile, max_seq=max_seq, progress=progress, loss=loss,
         )  # fmt: skip
     else:
-        copy, copy_layers, layers = shallow
+        copy, copy_layers, layers = question.shallow
 
         def on(m: nn.Module) -> Callable[[tuple[Any, ...], Mapping[str, Any]], Any]:
             mode = tc.fake_mode_of(m)

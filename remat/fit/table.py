@@ -19,6 +19,7 @@ from typing_extensions import Unpack
 
 from remat.executors import Executor, executor_named
 from remat.fit.graph_shapes import Dims
+from remat.fit.questions import FitQuestion
 from remat.fit.sac_formula import Copies
 from remat.fit.search import (
     CAPS,
@@ -100,6 +101,9 @@ def fit(
         max_seq = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         max_seq = int(max_seq) if max_seq else 8 * seq
     return runner.fit(
-        model, args, kwargs, dataclasses.replace(req, max_seq=max_seq), budget,
-        max_batch=max_batch, loss=Loss.of(loss_fn, target), shallow=shallow, copies=copies,
+        FitQuestion(
+            model=model, args=args, kwargs=kwargs, request=dataclasses.replace(req, max_seq=max_seq),
+            budget=budget, max_batch=max_batch, loss=Loss.of(loss_fn, target), shallow=shallow,
+            copies=copies,
+        )
     )  # fmt: skip
