@@ -341,27 +341,10 @@ def _knapsack(
     """The MILP of the module docstring (``tail``: with the last block's model and its
     backward's rows); ``None`` if it proved nothing."""
     values = problem.by_name
-    in_block = {n for b in structure.blocks for n in b.forward}
-    owned = {s for n in in_block for s in values[n].allocates}
-    outside = sorted(n for n in problem.forward_names if n not in in_block)
-    held = {s for n in problem.user_outputs for s in values[n].storages}
-    held |= {s for v in problem.values if v.role is Role.TANGENT for s in v.storages}
-    nbytes = {s: b / UNIT for s, b in problem.storage_bytes.items()}
     scale = objective_scale([values[n].time_s for n in problem.forward_names])
     lp = pulp.LpProblem("block_bound", pulp.LpMinimize) if tail is None else tail[1].lp
-    saved = {n: lp.add_variable(f"s{k}", 0, 1, cat=pulp.LpBinary) for k, n in enumerate(outside)}
-    redo = {
-        n: lp.add_variable(f"r{k}", 0, 0 if values[n].never_recomputed else 1)
-        for k, n in enumerate(outside)
-    }
-    cost = [scale * values[n].time_s * redo[n] for n in outside]
-    for n in problem.backward_reads:
-        if n in saved:
-            lp += saved[n] + redo[n] >= 1
-    for n in outside:
-        for i in values[n].inputs:
-            if i in saved:  # a block's value is the block's to keep (its front pays for it)
-                lp += saved[i] + redo[i] >= redo[n]
+    out = _outside(lp, problem, structure)
+    cost = [scale * values[n].time_s * out.redo[n] for n in out.names]
     last = len(structure.blocks) - 1
     sizes = [len(c) - (tail is not None and last in c) for c in structure.classes]
     classes = [_ClassVars(lp, ci, n, f, scale, tail is not None) for ci, (n, f) in enumerate(
@@ -369,56 +352,166 @@ def _knapsack(
     cost += [c.cost for c in classes]
     if tail is not None:
         cost.append(scale / tail[1].scale * tail[1].cost)
-    most = sum(
-        len(cls) * problem.storages_bytes({s for n in structure.blocks[cls[0]].forward
-                                           for s in values[n].allocates})
-        for cls in structure.classes
-    ) / UNIT  # fmt: skip
     lp.setObjective(pulp.lpSum(cost))
     before = pulp.lpSum(c.kept + c.reached_before + c.touched_before for c in classes)
     last_held: list[pulp.LpVariable] = []
     if tail is not None:
         last_held.append(_tail_rows(lp, budget, *tail, classes))
         before = before + pulp.lpSum(b / UNIT * v for b, v in tail[1].kept_terms)
-    live: dict[str, pulp.LpVariable] = {}
+    _start_row(lp, problem, budget, out, before)
+    blocks = _Blocks(classes=classes, last_held=last_held, most=_most(problem, structure))
+    _head_rows(lp, problem, budget, out, blocks, moments)
+    lp.solve(backend(config, time_limit_s, {}))
+    return _solution(lp, scale, classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outside:
+    """The knapsack's values outside the blocks, one binary each as in the moments bound, and
+    the storages it counts by them: not those live whatever the plan, nor the blocks'."""
+
+    names: list[str]
+    saved: dict[str, pulp.LpVariable]
+    redo: dict[str, pulp.LpVariable]
+    """Whether the value is recomputed (never, for a random one)."""
+    in_block: set[str]
+    """The blocks' forward values..."""
+    owned: set[str]
+    """...and the storages they allocate, which the fronts count."""
+    held: set[str]
+    """Storages live whatever the plan: the user outputs' and the tangents'."""
+    nbytes: dict[str, float]
+    """Every storage's bytes in :data:`UNIT`."""
+
+
+def _outside(lp: pulp.LpProblem, problem: Problem, structure: Structure) -> _Outside:
+    """The outside values' binaries, with their rows: what the backward reads is saved or
+    recomputed, and a recomputation has its outside inputs saved or recomputed too."""
+    values = problem.by_name
+    in_block = {n for b in structure.blocks for n in b.forward}
+    owned = {s for n in in_block for s in values[n].allocates}
+    outside = sorted(n for n in problem.forward_names if n not in in_block)
+    held = {s for n in problem.user_outputs for s in values[n].storages}
+    held |= {s for v in problem.values if v.role is Role.TANGENT for s in v.storages}
+    nbytes = {s: b / UNIT for s, b in problem.storage_bytes.items()}
+    saved = {n: lp.add_variable(f"s{k}", 0, 1, cat=pulp.LpBinary) for k, n in enumerate(outside)}
+    redo = {
+        n: lp.add_variable(f"r{k}", 0, 0 if values[n].never_recomputed else 1)
+        for k, n in enumerate(outside)
+    }
+    for n in problem.backward_reads:
+        if n in saved:
+            lp += saved[n] + redo[n] >= 1
     for n in outside:
+        for i in values[n].inputs:
+            if i in saved:  # a block's value is the block's to keep (its front pays for it)
+                lp += saved[i] + redo[i] >= redo[n]
+    return _Outside(
+        names=outside,
+        saved=saved,
+        redo=redo,
+        in_block=in_block,
+        owned=owned,
+        held=held,
+        nbytes=nbytes,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """The blocks' side of the head moments' rows."""
+
+    classes: list[_ClassVars]
+    last_held: list[pulp.LpVariable]
+    """What the last block holds at the head's moments, where it has its own model (tail)."""
+    most: float
+    """The bytes every block's forward allocates (:data:`UNIT`): more than the reached blocks
+    can hold, so a row with it subtracted binds nothing."""
+
+
+def _most(problem: Problem, structure: Structure) -> float:
+    """:attr:`_Blocks.most`: a class's blocks are alike, so its first one's bytes count for
+    each."""
+    values = problem.by_name
+    total = sum(
+        len(cls)
+        * problem.storages_bytes(
+            {s for n in structure.blocks[cls[0]].forward for s in values[n].allocates}
+        )
+        for cls in structure.classes
+    )
+    return total / UNIT
+
+
+def _start_row(
+    lp: pulp.LpProblem,
+    problem: Problem,
+    budget: int,
+    out: _Outside,
+    before: pulp.LpAffineExpression,
+) -> None:
+    """The backward's start: what is live whatever the plan, every saved outside value (each
+    storage once, however many values keep it) and ``before``, what the blocks keep, fit."""
+    values = problem.by_name
+    live: dict[str, pulp.LpVariable] = {}
+    for n in out.names:
         for s in values[n].storages:
-            if s in held or s in owned or not nbytes.get(s, 0):
+            if s in out.held or s in out.owned or not out.nbytes.get(s, 0):
                 continue
             if s not in live:
                 live[s] = lp.add_variable(f"m{len(live)}", 0, 1)
-            lp += live[s] >= saved[n]
-    fixed0 = problem.storages_bytes(held)
-    lp += pulp.lpSum(nbytes[s] * x for s, x in live.items()) + before <= (budget - fixed0) / UNIT
-    pulled = _pulls(problem, lp, saved, redo, in_block, moments)
+            lp += live[s] >= out.saved[n]
+    fixed0 = problem.storages_bytes(out.held)
+    lp += (
+        pulp.lpSum(out.nbytes[s] * x for s, x in live.items()) + before <= (budget - fixed0) / UNIT
+    )
+
+
+def _head_rows(
+    lp: pulp.LpProblem,
+    problem: Problem,
+    budget: int,
+    out: _Outside,
+    blocks: _Blocks,
+    moments: Sequence[Moment],
+) -> None:
+    """Each head moment: what is live whatever the plan, the saved outside values read after
+    it, and what the blocks hold, fit. A block holds what it kept until the head's
+    recomputation may have reached it (:func:`_pulls`), what it holds after from then on."""
+    saved, classes = out.saved, blocks.classes
+    pulled = _pulls(problem, lp, saved, out.redo, out.in_block, moments)
     for c in classes:  # blocks the head's recomputation reaches exist only once it does
         lp += c.reached <= c.size * pulled[-1]
     any_saved: dict[tuple[str, tuple[str, ...]], pulp.LpVariable] = {}
     for m, pull in zip(moments, pulled, strict=True):
-        fixed = m.fixed_bytes - problem.storages_bytes(m.fixed & owned)
+        fixed = m.fixed_bytes - problem.storages_bytes(m.fixed & out.owned)
         terms = []
         for s, on in m.later:
             mine = tuple(n for n in on if n in saved)
-            if s in held or s in owned or not mine:
+            if s in out.held or s in out.owned or not mine:
                 continue
             x = any_saved.get((s, mine))
             if x is None:
                 x = any_saved[(s, mine)] = lp.add_variable(f"q{len(any_saved)}", 0, 1)
                 for n in mine:
                     lp += x >= saved[n]
-            terms.append(nbytes[s] * x)
+            terms.append(out.nbytes[s] * x)
         now = []
         for j, c in enumerate(classes):  # the reached blocks' bytes: before, or after
             z = lp.add_variable(f"z{j}_{m.index}", 0)
             if c.front.after is not None:
                 lp += z >= c.reached_after
-            lp += z >= c.reached_before - most * pull
+            lp += z >= c.reached_before - blocks.most * pull
             now.append(z)
-        now += last_held
+        now += blocks.last_held
         room = (budget - fixed) / UNIT
         untouched = [c.kept + c.touched_before for c in classes]  # the tail's reach is later
         lp += pulp.lpSum(terms) + pulp.lpSum(untouched + now) <= room
-    lp.solve(backend(config, time_limit_s, {}))
+
+
+def _solution(lp: pulp.LpProblem, scale: float, classes: Sequence[_ClassVars]) -> _Knapsack | None:
+    """The solved knapsack's dual bound in seconds, and where its optimum keeps, to aim the
+    next tangents at; ``None`` if it proved nothing."""
     if pulp.LpStatus[lp.status] == "Infeasible":
         return None
     raw = best_bound(lp)

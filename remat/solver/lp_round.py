@@ -43,7 +43,6 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
         model = MilpModel(small, budget_bytes, comp.fold, deadline=deadline)
     except BelowFloor as e:
         raise budget_error(budget_bytes, e.floor, least_plan(problem, config, None)) from None
-    floor = model.floor
     for var in model.lp.variables():
         var.cat = pulp.LpContinuous
     if config.progress:
@@ -51,35 +50,82 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
     if (
         not model.lp.numConstraints()
     ):  # nothing to decide (e.g. the backward reads random values only)
-        only = make_plan(
-            problem,
-            fixed_saved_set(problem, "keep_inputs"),
-            solver="lp_round",
-            reason="lp_round: no choice to make",
-            proof=Proof.HEURISTIC,
-            lower_bound_s=0.0,
-        )
-        return dataclasses.replace(only, proof=proven(only))
+        return _no_choice(problem)
     model.lp.solve(backend(config, max(1.0, deadline - clock.now()), {}))
+    _check_solved(model, problem, budget_bytes, config)
+    bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / model.scale
+    frac = {n: float(v.value() or 0.0) for n, v in model.s.items()}
+    random_values = {n for n in model.fwd if small.by_name[n].never_recomputed}
+    best, tried = _best_rounding(small, _candidates(frac), random_values, budget_bytes)
+    reason = (
+        f"lp_round: best of {tried} roundings of the LP relaxation, "
+        f"LP lower bound {bound * 1e3:.4g} ms, {time.perf_counter() - t0:.1f} s"
+    )
+    plan = make_plan(
+        problem,
+        best.saved,
+        solver="lp_round",
+        reason=reason,
+        proof=Proof.HEURISTIC,
+        lower_bound_s=bound,
+    )
+    # A rounding that meets the LP's bound is optimal.
+    return dataclasses.replace(plan, proof=proven(plan))
+
+
+def _no_choice(problem: Problem) -> Plan:
+    """The plan where the model has no row, so nothing to decide: keeping the inputs, with
+    a bound of zero (optimal if it recomputes nothing)."""
+    only = make_plan(
+        problem,
+        fixed_saved_set(problem, "keep_inputs"),
+        solver="lp_round",
+        reason="lp_round: no choice to make",
+        proof=Proof.HEURISTIC,
+        lower_bound_s=0.0,
+    )
+    return dataclasses.replace(only, proof=proven(only))
+
+
+def _check_solved(
+    model: MilpModel, problem: Problem, budget_bytes: int, config: SolverConfig
+) -> None:
+    """Raise unless the relaxation was solved to optimality: an infeasible one proves the
+    budget too low for any plan (a :class:`BudgetError` with the least plan's peak); any
+    other status leaves no bound to report."""
     if model.lp.status != pulp.LpStatusOptimal:
         status = pulp.LpStatus[model.lp.status]
         hs = getattr(model.lp, "solverModel", None)
         if hs is not None:
             status += f" / HiGHS {hs.modelStatusToString(hs.getModelStatus())}"
         if model.lp.status == pulp.LpStatusInfeasible:
-            raise budget_error(budget_bytes, floor, least_plan(problem, config, None))
+            raise budget_error(budget_bytes, model.floor, least_plan(problem, config, None))
         raise RuntimeError(f"lp_round: the LP relaxation was not solved ({status})")
-    bound = max(0.0, float(pulp.value(model.lp.objective)) - model.tie_max) / model.scale
-    frac = {n: float(v.value() or 0.0) for n, v in model.s.items()}
-    random_values = {n for n in model.fwd if small.by_name[n].never_recomputed}
 
+
+def _candidates(frac: dict[str, float]) -> list[frozenset[str]]:
+    """Phase 1's saved sets from the fractional ``s*``: one per distinct threshold (and 0.5),
+    highest first, then :data:`RANDOM_ROUNDINGS` randomized roundings, seeded so that the
+    same problem gets the same plan."""
     candidates: list[frozenset[str]] = []
     for theta in sorted({x for x in frac.values() if x > 1e-9} | {0.5}, reverse=True):
         candidates.append(frozenset(n for n, x in frac.items() if x >= theta - 1e-9))
     rng = random.Random(0)
     for _ in range(RANDOM_ROUNDINGS):
         candidates.append(frozenset(n for n, x in frac.items() if rng.random() < x))
+    return candidates
 
+
+def _best_rounding(
+    small: Problem,
+    candidates: list[frozenset[str]],
+    random_values: set[str],
+    budget_bytes: int,
+) -> tuple[Plan, int]:
+    """Phase 2: each distinct candidate (with the random values, which are never recomputed)
+    simulated on the compressed problem ``small``; the cheapest that fits, and how many were
+    tried. A :class:`BudgetError` with the least peak seen if none fits: the LP's rounding
+    may miss plans the exact MILP finds."""
     best: Plan | None = None
     least_peak: int | None = None
     seen: set[frozenset[str]] = set()
@@ -103,17 +149,4 @@ def lp_rounding(problem: Problem, *, budget_bytes: int | None, config: SolverCon
             f"the least peak of {len(seen)} roundings of lp_round's LP relaxation; "
             "solver='exact' may go lower",
         )
-    reason = (
-        f"lp_round: best of {len(seen)} roundings of the LP relaxation, "
-        f"LP lower bound {bound * 1e3:.4g} ms, {time.perf_counter() - t0:.1f} s"
-    )
-    plan = make_plan(
-        problem,
-        best.saved,
-        solver="lp_round",
-        reason=reason,
-        proof=Proof.HEURISTIC,
-        lower_bound_s=bound,
-    )
-    # A rounding that meets the LP's bound is optimal.
-    return dataclasses.replace(plan, proof=proven(plan))
+    return best, len(seen)
