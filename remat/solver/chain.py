@@ -48,6 +48,9 @@ and the heuristics leave time on the table. But it is a chain of identical block
 Outside seams, values outside the blocks (embeddings, head, loss) keep what their backward
 reads, and every block's inputs are saved when its recomputation needs them, so recomputation
 does not cross a block boundary.
+
+This module holds the menus, the costs, the seams and the bounds, and puts the steps
+together; the searches of steps 5 and 7 are in :mod:`remat.solver.chain_search`.
 """
 
 from __future__ import annotations
@@ -66,22 +69,17 @@ from remat.problem import Problem, Role
 from remat.solver import clock
 from remat.solver.block_bound import block_bound
 from remat.solver.bound import backward_bound
-from remat.solver.chain_dp import (
-    GRID,
-    ChainCosts,
-    ChainCostsBuilder,
-    chain_dp,
-)
-from remat.solver.compress import compress
+from remat.solver.chain_dp import ChainCosts, ChainCostsBuilder
+from remat.solver.chain_search import DP_ROUNDS as DP_ROUNDS  # re-exported
+from remat.solver.chain_search import MENU_WINDOW as MENU_WINDOW  # re-exported
+from remat.solver.chain_search import local_search, refine, search, stitched_plan
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
 from remat.solver.menus import (
     Option,
     cached_menu,
 )
-from remat.solver.milp import exact
 from remat.solver.plan import Plan, Proof, make_plan, proven
-from remat.solver.schedule import InvalidPlanError
 from remat.solver.seams import (
     Swap,
     apply_seams,
@@ -97,16 +95,10 @@ NONE: frozenset[int] = frozenset()
 """No seams."""
 NOTHING: frozenset[str] = frozenset()
 """No value outside the blocks dropped."""
-DP_ROUNDS = 24
-"""DP solves, each for a smaller budget, until the simulated plan fits."""
 BOUND_S = 10.0
 BOUND_SHARE = 0.1
 """The lower bound (:mod:`remat.solver.bound`) gets this share of the time limit, at most
 ``BOUND_S`` seconds."""
-MENU_WINDOW = 2
-"""The all-blocks refinement window frees what a block's menu neighbours this far on either
-side disagree on (on a 4-layer Llama, 2 found the flat MILP's best plan; 5 and 10 found the
-same, in more time)."""
 
 
 class Stitch(Protocol):
@@ -207,27 +199,76 @@ def _swaps(
     return swap_of
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What the chain solver's reason reports of its plan (:func:`_reason`), gathered from
+    the stages that found, refined and bounded it."""
+
+    plan: Plan
+    """The plan returned: stitched, then refined."""
+    stitched_s: float
+    """Its recompute time before the refinement."""
+    windows: int
+    """Refinement windows attempted (:func:`~remat.solver.chain_search.refine`)."""
+    dropped: frozenset[str]
+    """Values outside the blocks the stitched plans do not save (:func:`_outside_drops`)."""
+    bound: float | None
+    """The lower bound on recompute time, at most the plan's; None where none was taken."""
+    floor: str
+    """Which bound it is: the backward's moments', or the blocks' fronts'."""
+
+
 @clock.counted
 def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverConfig) -> Plan:
     """Least recompute time for a chain of blocks (see the module docstring)."""
     t0 = time.perf_counter()
     c0 = clock.now()
     menu = chain_menu(problem, config)
-    structure, menus, options_of, stitch, uniform = (
-        menu.structure, menu.menus, menu.options_of, menu.stitch, menu.uniform
-    )  # fmt: skip
-    blocks = structure.blocks
-    n_opts = len(uniform)
-    costs = [_costs(problem, structure, p.schedule.saved, p.simulation) for p in uniform]
+    costs = [_costs(problem, menu.structure, p.schedule.saved, p.simulation) for p in menu.uniform]
     if config.progress:
-        config.progress(f"chain: DP over {len(blocks)} blocks x {n_opts} options")
+        blocks = len(menu.structure.blocks)
+        config.progress(f"chain: DP over {blocks} blocks x {len(menu.uniform)} options")
 
     # No budget: the least peak the chain reaches.
-    least = min(p.predicted_peak_bytes for p in uniform)
+    least = min(p.predicted_peak_bytes for p in menu.uniform)
     target = least if budget_bytes is None else budget_bytes
     deadline = c0 + config.time_limit_s
-    plain = partial(stitch, seams=NONE)
-    found = _search(problem, costs, target, options_of, plain, deadline, config, polish=False)
+    best, dropped = _stitched_best(problem, menu, costs, target, deadline, config)
+    if best is None:
+        raise BudgetError(target, least, "the least peak of the chain solver's uniform plans")
+    stitched_s = best.recompute_time_s
+    bound = _backward_bound(problem, budget_bytes, best, config)
+    best, windows = refine(
+        problem, menu.structure, menu.menus, best, target, config, c0 + config.time_limit_s
+    )
+    bound, floor = _fronts_bound(problem, target, menu.structure, best, bound, config)
+    if bound is not None:
+        bound = min(bound, best.recompute_time_s)  # solver tolerances
+    outcome = _Outcome(best, stitched_s, windows, dropped, bound, floor)
+    plan = dataclasses.replace(
+        best,
+        solver="chain",
+        reason=_reason(menu, outcome, t0),
+        proof=Proof.NEIGHBOURHOOD,
+        lower_bound_s=bound,
+    )
+    return dataclasses.replace(plan, proof=proven(plan))
+
+
+def _stitched_best(
+    problem: Problem,
+    menu: ChainMenu,
+    costs: list[ChainCosts],
+    target: int,
+    deadline: float,
+    config: SolverConfig,
+) -> tuple[Plan | None, frozenset[str]]:
+    """Steps 4 to 6 of the module docstring: the cheapest stitched plan that fits ``target``
+    (None where none does) of the search without seams, then with them, and of the uniform
+    plans; and the values outside the blocks that the plans without seams no longer save
+    (for the reason: those that the plan recomputes)."""
+    plain = partial(menu.stitch, seams=NONE)
+    found = search(problem, costs, target, menu.options_of, plain, deadline, config, polish=False)
     best, best_choice = found if found is not None else (None, [])
     seamed: tuple[Plan, list[int]] | None = None
     dropped = NOTHING
@@ -235,43 +276,59 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
         if config.progress:
             config.progress("chain: seams (recomputation across block boundaries)")
         dropped = _outside_drops(problem, menu, best, best_choice)
-        plain = partial(stitch, seams=NONE, dropped=dropped)
+        plain = partial(menu.stitch, seams=NONE, dropped=dropped)
         # The search with seams first: where a run of them lowers the peak it frees
         # gigabytes at 7B-70B, more than the local search without them finds (Llama-70B at
         # 80 GB: 306 ms of recompute without, 266 ms with); the latter gets what is left.
         seamed = _seamed(problem, menu, best, best_choice, dropped, target, deadline, config)
     if best is not None:
-        start = _stitched(problem, plain(best_choice))
+        start = stitched_plan(problem, plain(best_choice))
         if start is None or start.predicted_peak_bytes > target:  # the drops lowered its peak
             start = best
-        best, best_choice = _local_search(
-            problem, start, best_choice, target, options_of, plain, deadline
+        best, best_choice = local_search(
+            problem, start, best_choice, target, menu.options_of, plain, deadline
         )
     if seamed is not None and (best is None or seamed[0].recompute_time_s < best.recompute_time_s):
         best, best_choice = seamed
     # The uniform plans are candidates too (the DP's model could have ruled one out wrongly).
-    for p in uniform:
+    for p in menu.uniform:
         if p.predicted_peak_bytes <= target and (
             best is None or p.recompute_time_s < best.recompute_time_s
         ):
             best = p
-    if best is None:
-        raise BudgetError(target, least, "the least peak of the chain solver's uniform plans")
-    stitched = best.recompute_time_s
-    bound = None
-    if budget_bytes is not None and best.recompute_time_s > 0:
+    return best, dropped
+
+
+def _backward_bound(
+    problem: Problem, budget_bytes: int | None, plan: Plan, config: SolverConfig
+) -> float | None:
+    """Step 8's bound at the backward's moments (:func:`remat.solver.bound.backward_bound`),
+    with a share of the time limit; None without a budget, for a plan that recomputes
+    nothing, or where HiGHS fails."""
+    if budget_bytes is not None and plan.recompute_time_s > 0:
         # Cheap at any size (no time index), and any dual bound HiGHS proves in its time is
         # valid; taken before the refinement, which uses all the time left.
         share = min(BOUND_S, max(1.0, BOUND_SHARE * config.time_limit_s))
         with contextlib.suppress(pulp.PulpSolverError):
-            bound = backward_bound(
+            return backward_bound(
                 problem, budget_bytes, dataclasses.replace(config, time_limit_s=share)
             )
-    best, windows = _refine(
-        problem, structure, menus, best, target, config, c0 + config.time_limit_s
-    )
+    return None
+
+
+def _fronts_bound(
+    problem: Problem,
+    target: int,
+    structure: Structure,
+    plan: Plan,
+    bound: float | None,
+    config: SolverConfig,
+) -> tuple[float | None, str]:
+    """Step 8's bound, and which it is: with ``SolverConfig.floor_time_s``, the blocks'
+    fronts' (:func:`remat.solver.block_bound.block_bound`) where it is tighter than
+    ``bound`` and at most ``plan``'s recompute time; otherwise ``bound``."""
     floor = "at the backward's moments"
-    if bound is not None and config.floor_time_s and best.recompute_time_s > bound:
+    if bound is not None and config.floor_time_s and plan.recompute_time_s > bound:
         with contextlib.suppress(pulp.PulpSolverError):
             fronts = block_bound(
                 problem,
@@ -281,16 +338,23 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
             )
             # Above a plan that fits, a floor is wrong (beyond the solver's tolerance): kept
             # out rather than clipped, so a bug cannot pass for a proof of optimality.
-            if fronts is not None and bound < fronts <= best.recompute_time_s * (1 + 1e-6):
+            if fronts is not None and bound < fronts <= plan.recompute_time_s * (1 + 1e-6):
                 bound, floor = fronts, "from the blocks' fronts"
-    sizes = ", ".join(f"{len(menus[c])}" for c in structure.classes)
+    return bound, floor
+
+
+def _reason(menu: ChainMenu, outcome: _Outcome, t0: float) -> str:
+    """The plan's reason: the chain's blocks and menus, what the refinement gained, what
+    recomputation crosses block boundaries, the bound, and the seconds since ``t0``."""
+    structure, best = menu.structure, outcome.plan
+    sizes = ", ".join(f"{len(menu.menus[c])}" for c in structure.classes)
     reason = (
-        f"chain DP over {len(blocks)} blocks in {len(structure.classes)} class(es) "
+        f"chain DP over {len(structure.blocks)} blocks in {len(structure.classes)} class(es) "
         f"({sizes} options from the per-block exact MILP)"
         + (
-            f", refined in {windows} window(s) by the exact MILP "
-            f"({stitched * 1e3:.4g} -> {best.recompute_time_s * 1e3:.4g} ms)"
-            if windows
+            f", refined in {outcome.windows} window(s) by the exact MILP "
+            f"({outcome.stitched_s * 1e3:.4g} -> {best.recompute_time_s * 1e3:.4g} ms)"
+            if outcome.windows
             else ""
         )
     )
@@ -298,95 +362,12 @@ def chain_solver(problem: Problem, *, budget_bytes: int | None, config: SolverCo
     crossed = sum(name in again for name in menu.seams.values())
     if crossed:
         reason += f", {crossed} block output(s) recomputed across a block boundary"
-    if dropped & again:
-        reason += f", {len(dropped & again)} value(s) outside the blocks recomputed"
-    if bound is not None:
-        bound = min(bound, best.recompute_time_s)  # solver tolerances
-        reason += f", lower bound {bound * 1e3:.4g} ms ({floor})"
+    if outcome.dropped & again:
+        reason += f", {len(outcome.dropped & again)} value(s) outside the blocks recomputed"
+    if outcome.bound is not None:
+        reason += f", lower bound {outcome.bound * 1e3:.4g} ms ({outcome.floor})"
     reason += f", {time.perf_counter() - t0:.1f} s"
-    plan = dataclasses.replace(
-        best, solver="chain", reason=reason, proof=Proof.NEIGHBOURHOOD, lower_bound_s=bound
-    )
-    return dataclasses.replace(plan, proof=proven(plan))
-
-
-def _search(
-    problem: Problem,
-    costs: list[ChainCosts],
-    target: int,
-    options_of: Sequence[Sequence[Option]],
-    stitch: Callable[[Sequence[int]], frozenset[str]],
-    deadline: float,
-    config: SolverConfig,
-    polish: bool = True,
-) -> tuple[Plan, list[int]] | None:
-    """Steps 4 and 5 of the module docstring: the DP, solved again for less while the
-    simulated plan is over ``target`` and then, between the budgets that fit and that did
-    not, for more while it fits (the DP's model is conservative at some moments, so the
-    first plan that fits may leave memory unused); a one-block repair; then (``polish``) the
-    local search."""
-    n_blocks = len(options_of)
-    best: Plan | None = None
-    best_choice: list[int] = []
-    first_over: list[int] | None = None
-    fits_at: int | None = None  # the largest DP budget whose plan fit
-    over_at: int | None = None  # the least DP budget whose plan was over
-    dp_budget = target
-    step = max(1, target // GRID)
-    outcome: dict[tuple[int, ...], int] = {}  # a choice's simulated peak over the target
-    for _ in range(DP_ROUNDS):
-        found = chain_dp(costs, dp_budget, n_blocks)
-        if found is None:
-            break
-        key = tuple(found)
-        fresh = key not in outcome
-        if fresh:
-            plan = _stitched(problem, stitch(found))
-            if plan is None:
-                break
-            outcome[key] = plan.predicted_peak_bytes - target
-            if outcome[key] <= 0 and (
-                best is None or plan.recompute_time_s < best.recompute_time_s
-            ):
-                best, best_choice = plan, found
-            elif outcome[key] > 0 and first_over is None:
-                first_over = found
-        if outcome[key] <= 0:
-            fits_at = dp_budget
-        else:
-            over_at = dp_budget if over_at is None else min(over_at, dp_budget)
-        if fits_at is None:
-            if fresh:
-                dp_budget -= outcome[key]
-            else:  # the DP's grid hides the difference: ask for less, faster
-                dp_budget -= step
-                step *= 2
-        elif over_at is None or over_at - fits_at <= 2 * step:
-            break
-        else:
-            dp_budget = (fits_at + over_at) // 2
-    if config.progress:
-        config.progress("chain: local search on the simulated plan")
-    if first_over is not None:
-        # The DP's cheapest choice was over budget by a little: one block moved may fix it.
-        repaired = _repair(problem, first_over, target, options_of, stitch, deadline, costs)
-        if repaired is not None and (
-            best is None or repaired[0].recompute_time_s < best.recompute_time_s
-        ):
-            best, best_choice = repaired
-    if best is None or not polish:
-        return None if best is None else (best, best_choice)
-    return _local_search(problem, best, best_choice, target, options_of, stitch, deadline, costs)
-
-
-def _stitched(problem: Problem, saved: frozenset[str]) -> Plan | None:
-    """A stitched saved set's plan, or None where the executor cannot run it (a seam's or a
-    dropped value's recomputation that would need a random op: the candidates exclude it,
-    so this is a guard, not a path)."""
-    try:
-        return make_plan(problem, saved, solver="chain", reason="", proof=Proof.NEIGHBOURHOOD)
-    except InvalidPlanError:
-        return None
+    return reason
 
 
 def _outside_drops(
@@ -409,7 +390,7 @@ def _outside_drops(
         if rate > slope:
             break
         trial = frozenset(dropped | {name})
-        p = _stitched(problem, menu.stitch(choice, NONE, trial))
+        p = stitched_plan(problem, menu.stitch(choice, NONE, trial))
         if p is not None and p.predicted_peak_bytes < peak:
             dropped, peak = set(trial), p.predicted_peak_bytes
     return frozenset(dropped)
@@ -432,7 +413,7 @@ def _seamed(
     the DP and local search on them. None where no run lowers the peak."""
     tried = []
     for seams in patterns(menu.seams):
-        p = _stitched(problem, menu.stitch(choice, seams, dropped))
+        p = stitched_plan(problem, menu.stitch(choice, seams, dropped))
         if p is not None:
             tried.append((p.predicted_peak_bytes, p.recompute_time_s, sorted(seams), seams))
     if not tried or min(tried)[0] >= plan.predicted_peak_bytes:
@@ -441,7 +422,7 @@ def _seamed(
     n = len(menu.options_of)
     costs = []
     for o in range(len(menu.uniform)):
-        u = _stitched(problem, menu.stitch([o] * n, seams, dropped))
+        u = stitched_plan(problem, menu.stitch([o] * n, seams, dropped))
         if u is None:
             return None
         costs.append(_costs(problem, menu.structure, u.schedule.saved, u.simulation))
@@ -449,183 +430,7 @@ def _seamed(
     def stitch(c: Sequence[int]) -> frozenset[str]:
         return menu.stitch(c, seams, dropped)
 
-    return _search(problem, costs, target, menu.options_of, stitch, deadline, config)
-
-
-def _refine(
-    problem: Problem,
-    structure: Structure,
-    menus: dict[tuple[int, ...], list[Option]],
-    plan: Plan,
-    target: int,
-    config: SolverConfig,
-    deadline: float,
-) -> tuple[Plan, int]:
-    """Large-neighbourhood search with the exact MILP in context (when the whole problem is
-    small enough to model): a window of values is re-solved exactly while the rest of the plan
-    stays as it is. Each solve is warm-started from the current plan, so the plan never gets
-    worse. Returns the plan and the windows attempted.
-
-    Why: the menus are Pareto-optimal for a block cut out alone, and the DP's model is additive;
-    the optimum of the whole chain differs from the stitched plan by a few values per block,
-    and what it gains in one block it often spends in another. Windows, in order:
-
-    * **every block at once, near its menu option** (:func:`_menu_window`): the values whose
-      choice differs between the block's option and its ``MENU_WINDOW`` neighbours on the menu,
-      in every block, with everything outside the blocks. This is the window that moves memory
-      between blocks: on a 4-layer Llama it found in 5 s the plan the flat MILP found in 60 s
-      (3.1% cheaper than the stitched plan, recomputing more of the last block and the head so
-      that the first blocks recompute less), which no window of one or two blocks found;
-    * the first block with everything outside the blocks, the last likewise;
-    * adjacent pairs of blocks.
-    """
-    if (
-        plan.recompute_time_s == 0
-        or len(compress(problem).problem.forward_names) > config.max_milp_values
-    ):
-        return plan, 0
-    blocks = [set(b.forward) for b in structure.blocks]
-    outside = set(problem.forward_names).difference(*blocks)
-
-    def all_blocks(current: Plan) -> set[str]:
-        return _menu_window(structure, menus, set(current.schedule.saved), MENU_WINDOW) | outside
-
-    windows: list[Callable[[Plan], set[str]] | set[str]] = [
-        all_blocks,
-        outside | blocks[0],
-        outside | blocks[-1],
-        *(blocks[k] | blocks[k + 1] for k in range(len(blocks) - 1)),
-    ]
-    solved = 0
-    took = 1.0  # the last window's work: a window may overrun its limit (model building)
-    for window in windows:
-        start = clock.now()
-        left = deadline - start
-        if left < took:
-            break
-        if config.progress:
-            config.progress(f"chain: exact MILP on window {solved + 1} of {len(windows)}")
-        # The all-blocks window is the largest: it may not starve the smaller ones after it.
-        window_config = dataclasses.replace(
-            config, time_limit_s=left / 2 if window is all_blocks else left
-        )
-        with contextlib.suppress(RuntimeError, BudgetError):
-            found = exact(
-                problem,
-                budget_bytes=target,
-                config=window_config,
-                start=plan,
-                free=window(plan) if callable(window) else window,
-            )
-            if (
-                found.predicted_peak_bytes <= target
-                and found.recompute_time_s < plan.recompute_time_s
-            ):
-                plan = found
-        solved += 1
-        took = clock.now() - start
-    return plan, solved
-
-
-def _menu_window(
-    structure: Structure,
-    menus: dict[tuple[int, ...], list[Option]],
-    saved: set[str],
-    width: int,
-) -> set[str]:
-    """The values of every block whose choice is in play near the block's place on its menu:
-    those on which the menu option nearest the block's saved set and the ``width`` options
-    either side of it (by recompute time) disagree, or on which the block differs from that
-    option."""
-    free: set[str] = set()
-    for cls in structure.classes:
-        menu = menus[cls]  # cheapest first: of options equally near the block, the cheapest
-        positions = set(structure.blocks[cls[0]].forward)
-        for k in cls:
-            to_block = structure.correspondence(cls[0], k)
-            here = {n for n, m in to_block.items() if m in saved} & positions
-            i = min(range(len(menu)), key=lambda j: len(menu[j].saved ^ here))
-            near = [set(o.saved) for o in menu[max(0, i - width) : i + width + 1]] + [here]
-            free |= {to_block[n] for n in set().union(*near) - near[0].intersection(*near)}
-    return free
-
-
-def _repair(
-    problem: Problem,
-    choice: list[int],
-    target: int,
-    options_of: Sequence[Sequence[Option]],
-    stitch: Callable[[Sequence[int]], frozenset[str]],
-    deadline: float,
-    costs: Sequence[ChainCosts],
-) -> tuple[Plan, list[int]] | None:
-    """The cheapest plan that fits among those moving one block of ``choice`` to an option
-    that keeps less (by ``costs``), or None if none fits in time. Moves are simulated in
-    order of the time they add, so the first that fits is the cheapest."""
-    moves = sorted(
-        (options[o].time_s - options[choice[k]].time_s, k, o)
-        for k, options in enumerate(options_of)
-        for o in range(len(options))
-        if _keep(costs, o, k) < _keep(costs, choice[k], k)
-    )
-    for _, k, o in moves:
-        if clock.now() > deadline:
-            return None
-        trial = [*choice[:k], o, *choice[k + 1 :]]
-        plan = _stitched(problem, stitch(trial))
-        if plan is not None and plan.predicted_peak_bytes <= target:
-            return plan, trial
-    return None
-
-
-def _keep(costs: Sequence[ChainCosts], o: int, k: int) -> int:
-    """Block ``k``'s keep under option ``o`` (a class with fewer options uses its last)."""
-    return costs[min(o, len(costs) - 1)].keep[k]
-
-
-def _local_search(
-    problem: Problem,
-    plan: Plan,
-    choice: list[int],
-    target: int,
-    options_of: Sequence[Sequence[Option]],
-    stitch: Callable[[Sequence[int]], frozenset[str]],
-    deadline: float,
-    costs: Sequence[ChainCosts] | None = None,
-) -> tuple[Plan, list[int]]:
-    """Move single blocks to cheaper options while the simulated plan still fits (the DP's
-    additive model is conservative at block boundaries; the simulator is exact). Moves are
-    tried largest saving first; with ``costs``, only those whose extra bytes kept (in the
-    uniform plans' context) fit in what the plan leaves of the budget, since every block's
-    keep is live at the step's last forward moment. Why: each try simulates the whole step
-    (a quarter second at 70B), and most moves of a plan found under the budget cannot fit."""
-    choice = list(choice)
-    improved = True
-    while improved and clock.now() < deadline:
-        improved = False
-        slack = target - plan.predicted_peak_bytes
-        moves = []
-        for k, options in enumerate(options_of):
-            current = options[choice[k]].time_s
-            for o in range(len(options)):
-                if options[o].time_s >= current:
-                    continue
-                if costs is not None and _keep(costs, o, k) - _keep(costs, choice[k], k) > slack:
-                    continue
-                moves.append((options[o].time_s - current, k, o))
-        for _, k, o in sorted(moves):
-            if clock.now() > deadline:
-                return plan, choice
-            trial = [*choice[:k], o, *choice[k + 1 :]]
-            candidate = _stitched(problem, stitch(trial))
-            if (
-                candidate is not None
-                and candidate.predicted_peak_bytes <= target
-                and candidate.recompute_time_s < plan.recompute_time_s
-            ):
-                plan, choice, improved = candidate, trial, True
-                break
-    return plan, choice
+    return search(problem, costs, target, menu.options_of, stitch, deadline, config)
 
 
 def _outside_saved(problem: Problem, structure: Structure) -> frozenset[str]:

@@ -12,8 +12,9 @@ from torch import nn
 import remat
 from remat.models import TinyGPT
 from remat.problem import Problem
-from remat.solver.chain import _menu_window, chain_solver
+from remat.solver.chain import chain_solver
 from remat.solver.chain_dp import ChainCosts, chain_dp, chain_peak
+from remat.solver.chain_search import _menu_window
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import must_save
 from remat.solver.fronts import kept_problem

@@ -10,6 +10,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from remat.executors.sac.policies import fixed_policies, menus_of, uniform_plans
 from remat.executors.sac.regions import Policy
@@ -108,6 +109,37 @@ def in_flight(
     ]
 
 
+@dataclass(frozen=True)
+class _TracedPlans:
+    """The plans :func:`chain_solution` traced, by choice (each option read within its
+    block's menu: :func:`_choice_key`): each plan traced once, charged to the counted clock
+    and told to the progress as it is recorded. One record that the search's stages share,
+    so that each sees what the others traced."""
+
+    tracer: Tracer
+    options_of: Sequence[Sequence[Option]]
+    progress: Callable[[str], object]
+    t0: float
+    """When the search started (wall clock), for the progress."""
+    found: dict[tuple[int, ...], StepTrace]
+
+    def record(self, key: tuple[int, ...], trace: StepTrace) -> None:
+        """Keep ``trace`` as ``key``'s, its events counted as work (the time limit counts
+        traced events, not seconds)."""
+        self.found[key] = trace
+        clock.charge(clock.TRACED_EVENT_S * len(trace.events))
+        self.progress(
+            f"native: {len(self.found) - 1} plans traced, {time.perf_counter() - self.t0:.0f} s"
+        )
+
+    def run(self, choice: Sequence[int]) -> StepTrace:
+        """The plan of ``choice`` traced (once)."""
+        key = _choice_key(self.options_of, choice)
+        if key not in self.found:
+            self.record(key, self.tracer(_policies(self.options_of, key)))
+        return self.found[key]
+
+
 def chain_solution(
     problem: NativeProblem,
     tracer: Tracer,
@@ -128,50 +160,84 @@ def chain_solution(
     options_of, n_classes, n_opts = menus_of(problem)
     progress = config.progress or (lambda _: None)
     # Option 0 is every class's "eager": the baseline is that plan, traced already.
-    found: dict[tuple[int, ...], StepTrace] = {(0,) * n: problem.baseline}
+    plans = _TracedPlans(tracer, options_of, progress, t0, {(0,) * n: problem.baseline})
+    table, least, shallow = _dp_table(problem, copies, plans, n_classes, n_opts)
+    targets = _targets(problem, budget_bytes, least, progress)
+    floor = beat.trace.added_time_s if beat is not None else math.inf
+    best = functools.partial(_least_fitting, plans.found, budget_bytes, floor)
+    cut = _fit_targets(table, targets, n, plans.run, best, deadline, progress)
+    _per_block_contenders(table, n, n_opts, budget_bytes, plans.run, best)
+    if problem.baseline.schedule is not None:
+        _misjudged(table, n, n_opts, budget_bytes, plans.run, best)
+    if shallow is not None:
+        _uniform_contenders(shallow, n, budget_bytes, plans.found, plans.run, best)
+    return _chosen(plans, n_opts, budget_bytes, beat, shallow is not None, cut)
 
-    def record(key: tuple[int, ...], trace: StepTrace) -> None:
-        found[key] = trace
-        clock.charge(clock.TRACED_EVENT_S * len(trace.events))
-        progress(f"native: {len(found) - 1} plans traced, {time.perf_counter() - t0:.0f} s")
 
-    def run(choice: Sequence[int]) -> StepTrace:
-        key = _choice_key(options_of, choice)
-        if key not in found:
-            record(key, tracer(_policies(options_of, key)))
-        return found[key]
-
+def _dp_table(
+    problem: NativeProblem,
+    copies: Mapped | None,
+    plans: _TracedPlans,
+    n_classes: int,
+    n_opts: int,
+) -> tuple[list[ChainCosts], int, list[tuple[ChainCosts, int]] | None]:
+    """The DP's table (each option's per-block costs on every block), the least peak of the
+    uniform plans, and their costs and peaks on the shallow copies where those stand for the
+    model (None: the table is from traces of the model itself, or a pipeline stage's)."""
+    n = len(problem.blocks)
     schedule = problem.baseline.schedule
     shallow: list[tuple[ChainCosts, int]] | None = None
     if schedule is None:
-        shallow = _shallow_costs(problem, copies, progress)
+        shallow = _shallow_costs(problem, copies, plans.progress)
     if shallow is not None:
         table = [c for c, _ in shallow]
         least = min(peak for _, peak in shallow)
     elif schedule is None:
-        progress(f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each")
-        _trace_uniform(tracer, options_of, n_opts, found, record)
-        traces = [run([o] * n) for o in range(n_opts)]
+        plans.progress(
+            f"native: {n} regions, {n_classes} class(es), {n_opts} options; tracing each"
+        )
+        _trace_uniform(plans.tracer, plans.options_of, n_opts, plans.found, plans.record)
+        traces = [plans.run([o] * n) for o in range(n_opts)]
         table = [costs(t) for t in traces]
         least = min(t.peak_bytes for t in traces)
     else:
-        progress(
+        plans.progress(
             f"native: {n} regions, {n_classes} class(es), {n_opts} options; one microbatch's "
             "step each"
         )
-        table = _stage_table(problem, tracer, run, options_of, n_opts)
-        least = run([n_opts - 1] * n).peak_bytes
+        table = _stage_table(problem, plans.tracer, plans.run, plans.options_of, n_opts)
+        least = plans.run([n_opts - 1] * n).peak_bytes
+    return table, least, shallow
+
+
+def _targets(
+    problem: NativeProblem, budget_bytes: int, least: int, progress: Callable[[str], object]
+) -> list[int]:
+    """The budgets the DP is solved at: ``budget_bytes``, then the grid's below it between
+    the least and the eager peaks, where a step's traces are short (:data:`GRID_EVENTS`)."""
     most = problem.baseline.peak_bytes
     grid = [least + (most - least) * i // GRID_POINTS for i in range(GRID_POINTS)]
     # The budget's own plan first: the one that matters when the time limit cuts the rest.
-    floor = beat.trace.added_time_s if beat is not None else math.inf
-    best = functools.partial(_least_fitting, found, budget_bytes, floor)
     targets = [budget_bytes] + [g for g in grid if g < budget_bytes]
     events = len(problem.baseline.events)
     if events * GRID_POINTS > GRID_EVENTS:
         progress(f"native: {events:,} events a step: the DP at the budget alone, no grid")
         targets = targets[:1]
-    cut = ""
+    return targets
+
+
+def _fit_targets(
+    table: list[ChainCosts],
+    targets: Sequence[int],
+    n: int,
+    run: Callable[[Sequence[int]], StepTrace],
+    best: Callable[[], float],
+    deadline: float,
+    progress: Callable[[str], object],
+) -> str:
+    """:func:`_fit` at each of ``targets`` in turn until the counted clock passes
+    ``deadline`` (the first always runs); the reason's note where the time limit cut them
+    short, else ''."""
     for i, target in enumerate(targets):
         if i and clock.now() > deadline:
             cut = (
@@ -179,35 +245,47 @@ def chain_solution(
                 "budgets: a longer time_limit_s plans the rest"
             )
             progress(f"native: time limit reached{cut}")
-            break
+            return cut
         _fit(table, target, n, run, best)
-    _per_block_contenders(table, n, n_opts, budget_bytes, run, best)
-    if schedule is not None:
-        _misjudged(table, n, n_opts, budget_bytes, run, best)
-    if shallow is not None:
-        _uniform_contenders(shallow, n, budget_bytes, found, run, best)
+    return ""
+
+
+def _chosen(
+    plans: _TracedPlans,
+    n_opts: int,
+    budget_bytes: int,
+    beat: Solution | None,
+    on_copies: bool,
+    cut: str,
+) -> tuple[Solution | BudgetError | None, int]:
+    """:func:`chain_solution`'s answer from the plans it traced: the one that fits and adds
+    least time (then of least peak) if it adds less than ``beat``; else None where ``beat``
+    is given, or the error with the least peak traced. ``on_copies``: the table was costed
+    on shallow copies; ``cut``: the time limit's note (:func:`_fit_targets`)."""
+    found, options_of = plans.found, plans.options_of
+    n = len(options_of)
     fitting = [
         (c, t)
         for c, t in found.items()
         if t.peak_bytes <= budget_bytes and cost_of(t) < cost_of(beat)
     ]
-    traced = len(found) - 1
+    n_traced = len(found) - 1
     if not fitting and beat is not None:
-        return None, traced
+        return None, n_traced
     if not fitting:
         least_found = min(t.peak_bytes for t in found.values())
-        return BudgetError(budget_bytes, least_found, "native SAC"), traced
+        return BudgetError(budget_bytes, least_found, "native SAC"), n_traced
     choice, trace = min(fitting, key=lambda ct: (ct[1].added_time_s, ct[1].peak_bytes))
     names = [options_of[k][o].name for k, o in enumerate(choice)]
     summary = ", ".join(f"{names.count(x)}x {x}" for x in dict.fromkeys(names))
-    on_copies = (
+    copied = (
         f"; the uniform plans costed on copies with {SHALLOW[0]} and {SHALLOW[1]} regions"
-        if shallow is not None
+        if on_copies
         else ""
     )
     reason = (
-        f"chain DP over {n} regions ({n_opts} options per class, {traced} plans traced "
-        f"on FakeTensors{on_copies}): {summary}{cut}"
+        f"chain DP over {n} regions ({n_opts} options per class, {n_traced} plans traced "
+        f"on FakeTensors{copied}): {summary}{cut}"
     )
     chosen = Solution(
         tuple(_policies(options_of, choice)),
@@ -217,7 +295,7 @@ def chain_solution(
         Proof.NEIGHBOURHOOD,
         tuple(names),
     )
-    return chosen, traced
+    return chosen, n_traced
 
 
 def shallow_copies(
