@@ -1,6 +1,6 @@
 """A step's peak memory as a formula in batch and sequence length: the objects both
-executors' formulas are (:mod:`remat.fit.graph_formula` for remat's executor, :mod:`remat.fit.sac_shapes`
-for PyTorch's selective checkpointing)."""
+executors' formulas are (:mod:`remat.fit.graph_formula` for remat's executor,
+:mod:`remat.fit.sac_shapes` for PyTorch's selective checkpointing)."""
 
 from __future__ import annotations
 
