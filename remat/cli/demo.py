@@ -46,27 +46,7 @@ def demo(args: argparse.Namespace) -> int:
         f"heads, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, "
         f"{n_params / 1e6:.2f}M parameters, dropout 0.1, fp32 on CPU"
     )
-    # One space between columns, no outer margin: 98 columns, whole in a 100-column terminal.
-    table = Table(
-        title="one training step per plan; memory in MiB",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 0),
-        show_edge=False,
-    )
-    for col in (
-        "plan",
-        "predicted",
-        "measured",
-        "tensors",
-        "eager",
-        "saved",
-        "recomputed",
-        "GFLOP",
-        "overhead",
-        "vs eager",
-        "time s",
-    ):
-        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
+    table = _demo_table()
     ok = True
     runs: list[tuple[str, dict[str, object]]] = [(n, {"plan": n}) for n in FIXED_PLANS]
     runs += [(n, {"solver": n}) for n in ("block", "megatron", "chen_greedy")]
@@ -120,6 +100,32 @@ def demo(args: argparse.Namespace) -> int:
     if args.out and problem is not None:
         _demo_sweep(console, args, plans, problem)
     return 0 if ok else 1
+
+
+def _demo_table() -> Table:
+    """The demo's table, one row per plan."""
+    # One space between columns, no outer margin: 98 columns, whole in a 100-column terminal.
+    table = Table(
+        title="one training step per plan; memory in MiB",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0),
+        show_edge=False,
+    )
+    for col in (
+        "plan",
+        "predicted",
+        "measured",
+        "tensors",
+        "eager",
+        "saved",
+        "recomputed",
+        "GFLOP",
+        "overhead",
+        "vs eager",
+        "time s",
+    ):
+        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
+    return table
 
 
 def _demo_sweep(

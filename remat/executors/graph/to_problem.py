@@ -80,6 +80,41 @@ def _shape(val: Any) -> tuple[int, ...]:
         return ()
 
 
+class _Storages:
+    """The storages each node's outputs hold, each named for the node that allocates it
+    first (``name#k``); those of parameters, buffers, inputs and constants (the external
+    roles) are nobody's. ``output_bytes``: what a node's outputs hold as the device's kernel
+    made them, where that is a block or more above its FakeTensor's storage."""
+
+    def __init__(self, output_bytes: Mapping[str, int]) -> None:
+        self.output_bytes = output_bytes
+        self.owner: dict[int, str] = {}
+        self.bytes: dict[str, int] = {}
+        self.external: set[int] = set()
+
+    def of(self, node: torch.fx.Node, role: Role) -> tuple[list[str], list[str]]:
+        """The storages ``node``'s outputs hold, and those it allocates."""
+        keys = _storages(node.meta.get("val"))
+        if role in EXTERNAL_ROLES:
+            self.external.update(k for k, _ in keys)
+        storages: list[str] = []
+        allocates: list[str] = []
+        for key, nbytes in keys:
+            if key in self.external:
+                continue
+            if key not in self.owner:
+                self.owner[key] = sid = f"{node.name}#{len(allocates)}"
+                self.bytes[sid] = nbytes
+                allocates.append(sid)
+            storages.append(self.owner[key])
+        if (
+            len(allocates) == 1
+            and self.output_bytes.get(node.name, 0) >= self.bytes[allocates[0]] + BLOCK
+        ):
+            self.bytes[allocates[0]] = self.output_bytes[node.name]
+        return storages, allocates
+
+
 def build_problem(
     joint: JointGraph,
     *,
@@ -94,13 +129,10 @@ def build_problem(
     is more than its FakeTensor's storage (by a block or more: a CUDA allocator's rounding
     alone is not a larger buffer)."""
     scratch = scratch or {}
-    output_bytes = output_bytes or {}
     profile = get_profile(device_profile)
     graph = joint.graph_module.graph
     roles = {p.name: p.role for p in joint.placeholders}
-    storage_owner: dict[int, str] = {}
-    storage_bytes: dict[str, int] = {}
-    external: set[int] = set()
+    owned = _Storages(output_bytes or {})
     backward = backward_nodes(graph, {p.name for p in joint.tangents})
     random: set[str] = set()
     stack_by_seq: dict[int, tuple[tuple[str, str], ...]] = {}
@@ -108,7 +140,6 @@ def build_problem(
     for node in graph.nodes:
         if node.op == "output":
             continue
-        keys = _storages(node.meta.get("val"))
         inputs = tuple(dict.fromkeys(n.name for n in node.all_input_nodes))
         if node.op == "placeholder":
             role = roles[node.name]
@@ -116,23 +147,7 @@ def build_problem(
             role = Role.CONSTANT
         else:
             role = Role.BACKWARD if node.name in backward else Role.FORWARD
-        if role in EXTERNAL_ROLES:
-            external.update(k for k, _ in keys)
-        storages: list[str] = []
-        allocates: list[str] = []
-        for key, nbytes in keys:
-            if key in external:
-                continue
-            if key not in storage_owner:
-                storage_owner[key] = sid = f"{node.name}#{len(allocates)}"
-                storage_bytes[sid] = nbytes
-                allocates.append(sid)
-            storages.append(storage_owner[key])
-        if (
-            len(allocates) == 1
-            and output_bytes.get(node.name, 0) >= storage_bytes[allocates[0]] + BLOCK
-        ):
-            storage_bytes[allocates[0]] = output_bytes[node.name]
+        storages, allocates = owned.of(node, role)
         view = view_like(node, bool(allocates))
         is_random = _is_random(node) or (node.target is operator.getitem and inputs[0] in random)
         if is_random and role is Role.FORWARD:
@@ -163,7 +178,7 @@ def build_problem(
         )
     return Problem(
         values=tuple(values),
-        storage_bytes=storage_bytes,
+        storage_bytes=owned.bytes,
         user_outputs=joint.user_outputs,
         mutation_outputs=tuple(n for n, _ in joint.mutations),
         grad_outputs=tuple(n for n, _ in joint.grads),
