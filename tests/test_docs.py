@@ -147,4 +147,4 @@ def test_the_readme_is_for_users() -> None:
     assert len(text.splitlines()) <= 170
     for narration in ("last run", "this machine", "lent GPU"):
         assert narration not in text, narration
-    assert not re.search(r"#\d+\b", text), "a ticket number: say what the product does"
+    assert not re.search(r"#\d+\b", text), "a '#N' reference: the README says what the product does"

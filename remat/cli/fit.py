@@ -38,7 +38,8 @@ from remat.cli.stages import pipeline_options, pipeline_stages
 from remat.executors import GRAPH, SAC, Executor
 from remat.executors.sac.events import TraceError
 from remat.fit.pipeline import PipelineFitReport, fit_pipeline
-from remat.fit.table import FitReport, fit
+from remat.fit.search import FitReport
+from remat.fit.table import fit
 from remat.plan.plots import fit_plot
 from remat.presets import PRESETS, Built, build, parse_settings
 

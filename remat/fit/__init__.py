@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from remat.fit.formula import memory_formula
     from remat.fit.peak import MemoryFormula
     from remat.fit.pipeline import PipelineFitReport, fit_pipeline
-    from remat.fit.table import (
+    from remat.fit.search import (
         CAPS,
         FIXED,
         FIXED_SAC,
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
         Choice,
         FitReport,
         FitRow,
-        fit,
         fit_dynamic,
         fit_native,
     )
+    from remat.fit.table import fit
 
 __all__ = [
     "CAPS",
@@ -53,9 +53,10 @@ __all__ = [
     "memory_formula",
 ]
 
-_TABLE = ("CAPS", "FIXED", "FIXED_SAC", "Candidate", "Choice", "FitReport", "FitRow")
+_SEARCH = ("CAPS", "FIXED", "FIXED_SAC", "Candidate", "Choice", "FitReport", "FitRow")
 _HOME = {
-    **dict.fromkeys((*_TABLE, "fit", "fit_dynamic", "fit_native"), "remat.fit.table"),
+    **dict.fromkeys((*_SEARCH, "fit_dynamic", "fit_native"), "remat.fit.search"),
+    "fit": "remat.fit.table",
     "MemoryFormula": "remat.fit.peak",
     "memory_formula": "remat.fit.formula",
     "PipelineFitReport": "remat.fit.pipeline",

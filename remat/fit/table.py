@@ -21,32 +21,11 @@ from remat.executors import Executor, executor_named
 from remat.fit.graph_shapes import Dims
 from remat.fit.questions import FitQuestion
 from remat.fit.sac_formula import Copies
-from remat.fit.search import (
-    CAPS,
-    FIXED,
-    FIXED_SAC,
-    Candidate,
-    Choice,
-    FitReport,
-    FitRow,
-    fit_dynamic,
-    fit_native,
-)
+from remat.fit.search import FitReport
 from remat.measure.meter import Loss
 from remat.request import Request, RequestArgs, as_args, request_of
 
-__all__ = [
-    "CAPS",
-    "FIXED",
-    "FIXED_SAC",
-    "Candidate",
-    "Choice",
-    "FitReport",
-    "FitRow",
-    "fit",
-    "fit_dynamic",
-    "fit_native",
-]
+__all__ = ["fit"]
 
 
 def fit(

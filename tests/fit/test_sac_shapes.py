@@ -21,7 +21,8 @@ from remat.executors.sac.planner import NATIVE_PLANS
 from remat.executors.sac.regions import find_blocks
 from remat.fit.graph_shapes import Dims, inputs_at
 from remat.fit.sac_formula import native_dynamic
-from remat.fit.table import FIXED_SAC, FitReport, fit
+from remat.fit.search import FIXED_SAC, FitReport
+from remat.fit.table import fit
 from remat.measure.meter import measure_step
 from remat.measure.profiles import get_profile
 from remat.request import Request, model_static_memory
