@@ -76,7 +76,8 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
             highs.setOptionValue(key, option)
         nonzeros = highs.getNumNz()
         highs.setOptionValue("mip_max_nodes", clock.node_limit(self.work_s, nonzeros))
-        highs.cbMipInterrupt += _Checkpoints(clock.checkpoint_limit(self.work_s, nonzeros))
+        self.checkpoints = _Checkpoints(clock.checkpoint_limit(self.work_s, nonzeros))
+        highs.cbMipInterrupt += self.checkpoints
         self._run(highs)
         if self.start and not _consistent(highs):
             # HiGHS 1.16, warm-started with presolve probing off, has reported an optimum
@@ -91,8 +92,13 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
             index = np.array([v.index for v in self.start], dtype=np.int32)
             value = np.array(list(self.start.values()), dtype=np.float64)
             highs.setSolution(len(index), index, value)
+        before = self.checkpoints.calls
         highs.run()
-        clock.charge_solve(highs.getInfo().simplex_iteration_count, highs.getNumNz())
+        clock.charge_solve(
+            highs.getInfo().simplex_iteration_count,
+            highs.getNumNz(),
+            self.checkpoints.calls - before,
+        )
         if highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
             clock.mark_expired()
 

@@ -7,10 +7,13 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 from hypothesis import assume, given, settings
 
+import remat
+from remat.models import TinyGPT
 from remat.problem import Problem, Role
-from remat.solver import Proof, make_plan
+from remat.solver import Proof, clock, make_plan
 from remat.solver.checkmate import checkmate_bound
 from remat.solver.compress import compress
 from remat.solver.config import BudgetError, SolverConfig
@@ -311,3 +314,20 @@ def test_model_building_stops_at_the_time_limit() -> None:
     assert exact(prob, budget_bytes=budget, config=CONFIG).recompute_time_s <= (
         start.recompute_time_s + 1e-12
     )
+
+
+def test_a_milp_stopped_at_its_work_limit_is_charged_that_work() -> None:
+    """HiGHS spends a MILP's root in cuts and heuristics, with few simplex iterations between
+    its limit checks: a solve stopped at its checks is charged for them, so the counted clock
+    reads about the limit it was given (``time_limit_s`` reads as seconds), not the fraction
+    its iterations are worth (a quarter of it on this model)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(1))
+    problem = remat.analyze(TinyGPT(layers=2), (tokens,)).problem
+    keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+    config = SolverConfig(time_limit_s=2.0)
+    with clock.planning(config) as counted:
+        plan = exact(problem, budget_bytes=int(0.9 * keep_all), config=config)
+    assert plan.proof is Proof.TIME_LIMIT, "the work limit must bind for this to test it"
+    assert "safety net" not in plan.reason
+    assert counted.spent_s >= 0.9 * config.time_limit_s
