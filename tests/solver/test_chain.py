@@ -24,7 +24,7 @@ from remat.solver.registry import least_peak, solve
 from remat.solver.structure import block_problem, find_structure
 from tests.checks import assert_trains_like_eager
 
-CONFIG = SolverConfig(time_limit_s=6)
+CONFIG = SolverConfig(time_limit_s=3)
 
 
 def _gpt(layers: int = 3, skip: bool = False) -> tuple[nn.Module, torch.Tensor]:
@@ -221,8 +221,8 @@ def test_a_second_capture_of_the_model_reuses_its_block_menu(monkeypatch) -> Non
     assert cached(model, x) is first and len(solved) == 1
     other, y = _gpt(2, skip=True)
     assert cached(other, y) is not first and len(solved) == 2
-    assert cached(model, x, SolverConfig(time_limit_s=7)) is not first and len(solved) == 3
-    assert cached(model, x, SolverConfig(time_limit_s=6, progress=print)) is first
+    assert cached(model, x, SolverConfig(time_limit_s=4)) is not first and len(solved) == 3
+    assert cached(model, x, SolverConfig(time_limit_s=3, progress=print)) is first
     assert len(solved) == 3  # the progress callback is not a setting
 
 
