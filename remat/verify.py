@@ -8,11 +8,12 @@ predicted and measured memory peak of each step. Tests, the demo and benchmarks 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,37 +135,39 @@ def verify(
     # The user's own forward runs under the reference's autocast; remat's module carries the
     # casts in its graphs.
     fast_autocast = autocast if runner.own_forward else None
-    # Planning leaves garbage in reference cycles (capture graphs, solver models); collected
-    # now, not by the cyclic collector inside a measured step, where freeing a tensor allocated
-    # before the profiler started makes the allocator warn on stderr ("memory block of unknown
-    # size ..."; seen once in `remat demo` under the suite).
-    gc.collect()
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
     opt_fast = torch.optim.AdamW(fast.parameters(), lr=lr)
     checks = []
-    for step in range(steps):
-        opt_ref.zero_grad(set_to_none=True)
-        opt_fast.zero_grad(set_to_none=True)
-        torch.manual_seed(1000 + step)
-        eager = measure_step(ref, args, kwargs, seed=step, autocast=autocast, loss=loss)
-        torch.manual_seed(1000 + step)
-        measured = measure_step(
-            fast, args, kwargs, seed=step, autocast=fast_autocast, allocator=True, loss=loss
-        )
-        bad = compare(ref, fast, eager.outputs, measured.outputs, step)
-        opt_ref.step()
-        opt_fast.step()
-        checks.append(
-            StepCheck(
-                step=step,
-                predicted_peak_bytes=plan.predicted_peak_bytes,
-                measured_peak_bytes=measured.allocator_peak_bytes or 0,
-                predicted_tensor_peak_bytes=plan.predicted_tensor_peak_bytes,
-                measured_tensor_peak_bytes=measured.peak_bytes,
-                eager_peak_bytes=eager.peak_bytes,
-                mismatches=tuple(bad),
+    # Planning leaves garbage in reference cycles (capture graphs, solver models), which the
+    # cyclic collector must not free inside a measured step: freeing a tensor allocated
+    # before the profiler started makes the allocator warn on stderr ("memory block of
+    # unknown size ..."; seen once in `remat demo` under the suite). The collector is paused
+    # over the steps rather than run before them: a full collection of a long-lived
+    # process's heap took a quarter of a second a call in the test suite.
+    with _collector_paused():
+        for step in range(steps):
+            opt_ref.zero_grad(set_to_none=True)
+            opt_fast.zero_grad(set_to_none=True)
+            torch.manual_seed(1000 + step)
+            eager = measure_step(ref, args, kwargs, seed=step, autocast=autocast, loss=loss)
+            torch.manual_seed(1000 + step)
+            measured = measure_step(
+                fast, args, kwargs, seed=step, autocast=fast_autocast, allocator=True, loss=loss
             )
-        )
+            bad = compare(ref, fast, eager.outputs, measured.outputs, step)
+            opt_ref.step()
+            opt_fast.step()
+            checks.append(
+                StepCheck(
+                    step=step,
+                    predicted_peak_bytes=plan.predicted_peak_bytes,
+                    measured_peak_bytes=measured.allocator_peak_bytes or 0,
+                    predicted_tensor_peak_bytes=plan.predicted_tensor_peak_bytes,
+                    measured_tensor_peak_bytes=measured.peak_bytes,
+                    eager_peak_bytes=eager.peak_bytes,
+                    mismatches=tuple(bad),
+                )
+            )
     ref_params = dict(ref.named_parameters())
     final = [
         f"after {steps} steps: parameter {n} differs"
@@ -175,3 +178,15 @@ def verify(
         last = checks[-1]
         checks[-1] = dataclasses.replace(last, mismatches=last.mismatches + tuple(final))
     return Verification(fast, plan, tuple(checks))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block (as it was, after)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
