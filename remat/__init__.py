@@ -28,7 +28,7 @@ from remat.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from remat.parallel.pipelining import Pipeline, PipelineError
 from remat.plan.files import PlanFileError
 from remat.plan.report import explain
-from remat.problem import Problem
+from remat.problem import Link, Problem
 from remat.request import Request
 from remat.solver.plan import Plan
 
@@ -50,6 +50,7 @@ __all__ = [
     "CaptureError",
     "DeviceBudgetError",
     "DeviceProfile",
+    "Link",
     "LiveMemoryMeter",
     "MemoryFormula",
     "Pipeline",

@@ -89,6 +89,35 @@ class Value:
 
 
 @dataclass(frozen=True)
+class Link:
+    """The copy link between device and host memory, in bytes per second each way: what an
+    offloaded value's copies cost (:mod:`remat.solver.offload`)."""
+
+    d2h: float
+    """Device to host, alone on the link."""
+    h2d: float
+    """Host to device, alone on the link."""
+    shared_d2h: float = 0.0
+    """Device to host while a host-to-device copy runs too (0: as :attr:`d2h`)."""
+    shared_h2d: float = 0.0
+    """Host to device while a device-to-host copy runs too (0: as :attr:`h2d`)."""
+    synchronous: bool = False
+    """Every copy blocks compute for its whole length (a CPU device's host store): no copy
+    is hidden."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if min(self.d2h, self.h2d) <= 0 or min(self.shared_d2h, self.shared_h2d) < 0:
+            raise ValueError(f"copy bandwidths must be positive: {self}")
+
+    def rate(self, to_host: bool, both: bool) -> float:
+        """Bytes per second of one direction, alone or beside the other."""
+        if to_host:
+            return (self.shared_d2h or self.d2h) if both else self.d2h
+        return (self.shared_h2d or self.h2d) if both else self.h2d
+
+
+@dataclass(frozen=True)
 class DispatchCosts:
     """What PyTorch's selective checkpointing costs by itself, per op of a checkpointed
     region, beyond the ops' own time (``sac`` executor; the ``graph`` executor adds none).
@@ -161,6 +190,8 @@ class Problem:
     op stream the regions run eagerly."""
     dispatch: DispatchCosts = DispatchCosts()
     """The ``sac`` executor's own cost per op (:class:`DispatchCosts`); zero: not counted."""
+    link: Link | None = None
+    """The device's copy link to host memory (:class:`Link`); ``None``: no offload."""
 
     def __post_init__(self) -> None:
         if self.executor not in ("graph", "sac"):

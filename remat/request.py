@@ -90,6 +90,10 @@ class Request:
     """The longest sequence training will use, for inputs whose length varies."""
     seq_buckets: tuple[int, ...] = ()
     """With ``max_seq`` (whole-graph executor): the longest length of each bucket."""
+    host_budget_bytes: int = 0
+    """Host memory the plan may fill with offloaded saved values, per rank (ranks of a node
+    share the node's memory: give each its share). 0: nothing is offloaded, and every plan
+    is the recompute plan it was without it (:mod:`remat.solver.offload_search`)."""
     progress: Callable[[str], None] | None = field(default=None, compare=False)
     """Called with a short status line as long solves advance."""
     workers: int | None = None
@@ -110,6 +114,10 @@ class Request:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
             object.__setattr__(self, name, int(value))
+        host = self.host_budget_bytes
+        if isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0:
+            raise ValueError(f"host_budget_bytes must be 0 or more bytes, got {host!r}")
+        object.__setattr__(self, "host_budget_bytes", int(host))
         if self.plan is not None and (
             self.solver is not None or self.activation_budget_bytes is not None
         ):
@@ -146,6 +154,13 @@ class Request:
             if not gb > 0:
                 raise ValueError(f"the device budget must be positive, got {gb!r} GB")
             args["budget_bytes"] = int(gb * GB)
+        host_gb = args.pop("host_budget_gb", None)
+        if host_gb is not None:
+            if args.get("host_budget_bytes"):
+                raise ValueError("pass host_budget_gb or host_budget_bytes, not both")
+            if not host_gb >= 0:
+                raise ValueError(f"the host budget must be 0 or more, got {host_gb!r} GB")
+            args["host_budget_bytes"] = int(host_gb * GB)
         training = {k: args.pop(k) for k in _TRAINING if k in args}
         args["training"] = Options(**training)
         return cls(**args)
@@ -197,6 +212,8 @@ class RequestArgs(TypedDict, total=False):
     seq_buckets: tuple[int, ...]
     progress: Callable[[str], None] | None
     workers: int | None
+    host_budget_gb: float | None
+    host_budget_bytes: int
 
 
 _TRAINING = tuple(f.name for f in fields(Options))

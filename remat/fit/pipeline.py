@@ -167,6 +167,8 @@ def fit_pipeline(
     finer ``remat <= N%`` rows; the fixed plans alone by default.
     """
     req = request_of(request, flat)
+    if req.host_budget_bytes:
+        raise ValueError("host_budget: remat fit plans without offload so far")
     pipes = rank_pipelines(stages, stage_inputs, schedule, microbatches, loss_fn, stages_per_rank)
     dims = Dims.of((stage_inputs[0],), {}, seq=True)  # raises without a dim 1
     assert dims.seq is not None

@@ -70,6 +70,8 @@ def fit(
     if request is None:
         flat.setdefault("time_limit_s", 10.0)
     req = request_of(request, flat)
+    if req.host_budget_bytes:
+        raise ValueError("host_budget: remat fit plans without offload so far")
     budget = req.device(model)
     if budget is None:
         raise ValueError("pass budget_gb or budget_bytes")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from remat.problem import DispatchCosts
+from remat.problem import DispatchCosts, Link
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class DeviceProfile:
     (which take the spec-sheet peak as reached: 1.0)."""
     sac_dispatch: DispatchCosts = DispatchCosts()
     """Selective checkpointing's own cost per op (the ``sac`` executor's time model)."""
+    link: Link | None = None
+    """The copy link to host memory, for offload (``None``: a host budget is refused)."""
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or not self.matmul_flops or min(self.matmul_flops.values()) <= 0:
@@ -83,6 +85,45 @@ GPU_SAC_DISPATCH = replace(
 )
 """SAC's per-op cost on the GPU and NPU profiles: a labelled estimate (see ``source``)."""
 
+# Copy links to pinned host memory (public measurements, none made here). Alone on the link
+# each direction runs at its figure; both at once share it.
+A100_LINK = Link(
+    d2h=25e9,
+    h2d=25e9,
+    shared_d2h=25e9,
+    shared_h2d=11e9,
+    source=(
+        "PCIe Gen4 x16 with pinned memory: ~25 GB/s each way; both at once, host-to-device "
+        "fell to ~11 GB/s while device-to-host held 25 (public bandwidth-test reports)"
+    ),
+)
+H100_LINK = Link(
+    d2h=53e9,
+    h2d=53e9,
+    shared_d2h=53e9,
+    shared_h2d=53e9 * 11 / 25,
+    source=(
+        "PCIe Gen5 x16 with pinned memory and the copy engines: 52-55 GB/s each way (public "
+        "bandwidth-test reports); both at once: no figure found, A100's share assumed"
+    ),
+)
+GH200_LINK = Link(
+    d2h=170e9,
+    h2d=380e9,
+    source=(
+        "NVLink-C2C: host-to-device 346-421 GB/s, device-to-host ~170 GB/s (public "
+        "bandwidth-test reports); both at once: no figure found, each alone's assumed"
+    ),
+)
+ASCEND_LINK = Link(
+    d2h=23e9,
+    h2d=23e9,
+    source=(
+        "Ascend 910B4 with registered host memory: ~23 GB/s host-to-device (a public "
+        "report); device-to-host and both at once: no figure found, the same assumed"
+    ),
+)
+
 ASCEND_GEMM_EFFICIENCY = 0.85
 """Ascend GEMMs reach about 15% less of their peak than NVIDIA's do of theirs: a
 practitioners' report (CANN matmul kernels against cuBLAS at LLM shapes), not a vendor
@@ -96,6 +137,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         2.039e12,
         op_overhead_s=4e-6,
         sac_dispatch=GPU_SAC_DISPATCH,
+        link=A100_LINK,
         memory_bytes=80 * _GIB,
         notes="A100 SXM 80GB, dense, TF32 off (PyTorch's default for matmul)",
     ),
@@ -106,6 +148,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         3.35e12,
         op_overhead_s=4e-6,
         sac_dispatch=GPU_SAC_DISPATCH,
+        link=H100_LINK,
         memory_bytes=80 * _GIB,
         notes="H100 SXM 80GB, dense",
     ),
@@ -116,8 +159,21 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         4.8e12,
         op_overhead_s=4e-6,
         sac_dispatch=GPU_SAC_DISPATCH,
+        link=H100_LINK,
         memory_bytes=141 * _GIB,
         notes="H200 SXM 141GB, dense",
+    ),
+    # Source: NVIDIA GH200 Grace Hopper Superchip datasheet (GH200 with 96GB HBM3: the H100's
+    # compute at 4 TB/s); its host link is NVLink-C2C.
+    "gh200": DeviceProfile(
+        "gh200",
+        {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+        4.0e12,
+        op_overhead_s=4e-6,
+        sac_dispatch=GPU_SAC_DISPATCH,
+        link=GH200_LINK,
+        memory_bytes=96 * _GIB,
+        notes="GH200 96GB HBM3, dense; NVLink-C2C to the Grace CPU's memory",
     ),
     # Huawei publishes no per-chip datasheet for the 910B SKUs: the figures below are the
     # widely circulated third-party spec tables (not checked against a Huawei document;
@@ -132,6 +188,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         1.6e12,
         op_overhead_s=4e-6,
         sac_dispatch=GPU_SAC_DISPATCH,
+        link=ASCEND_LINK,
         memory_bytes=64 * _GIB,
         notes="Ascend 910B3 64GB HBM2e, dense; GEMM efficiency 0.85 (practitioners' report)",
         matmul_efficiency=ASCEND_GEMM_EFFICIENCY,
@@ -144,6 +201,7 @@ GPU_PROFILES: Mapping[str, DeviceProfile] = {
         0.8e12,
         op_overhead_s=4e-6,
         sac_dispatch=GPU_SAC_DISPATCH,
+        link=ASCEND_LINK,
         memory_bytes=32 * _GIB,
         notes="Ascend 910B4 32GB HBM2e, dense; GEMM efficiency 0.85 (practitioners' report)",
         matmul_efficiency=ASCEND_GEMM_EFFICIENCY,
@@ -171,12 +229,27 @@ def auto_profile_name(device: torch.device) -> str:
     )
 
 
+CPU_HOST_STORE = Link(
+    d2h=47e9 / 2,
+    h2d=47e9 / 2,
+    synchronous=True,
+    source=(
+        "a CPU device offloads to a host store in the same memory: each copy is a memcpy "
+        "that blocks the step, at half the reference core's copy bandwidth (47 GB/s counts "
+        "the bytes read and written)"
+    ),
+)
+"""The ``cpu`` profile's offload: copies into a host store beside PyTorch's allocator, run
+inline (nothing hides them), saving no real memory on a CPU device: it lets tests measure
+device bytes as a GPU would."""
+
 CPU = DeviceProfile(
     "cpu",
     {"float32": 103e9, "bfloat16": 103e9 / 4, "float16": 103e9 / 4},
     47e9,
     op_overhead_s=3.3e-6,
     sac_dispatch=CPU_SAC_DISPATCH,
+    link=CPU_HOST_STORE,
     notes=(
         "one reference core (an AMD EPYC), pinned: calibrate_cpu() on an idle 2-core "
         "machine, 1 thread, measured 102.7-102.9 GFLOP/s fp32, 45-50 GB/s and 3.2-3.3 us per op"
@@ -225,6 +298,7 @@ def calibrate_cpu() -> DeviceProfile:
         bandwidth,
         op_overhead_s=overhead,
         sac_dispatch=CPU_SAC_DISPATCH,
+        link=replace(CPU_HOST_STORE, d2h=bandwidth / 2, h2d=bandwidth / 2, source="measured"),
         notes="measured on this machine, 1 thread (SAC dispatch: the reference core's)",
     )
 

@@ -21,6 +21,7 @@ import torch
 
 from remat._version import __version__
 from remat.problem import Problem
+from remat.solver.offload import Offload
 from remat.solver.plan import Plan, Proof, make_plan
 
 FORMAT = "remat-plan"
@@ -77,6 +78,8 @@ class PlanFile:
     remat_version: str
     record: Mapping[str, Any]
     """The whole JSON document."""
+    offloads: tuple[Offload, ...] = ()
+    """Saved values offloaded, and their points (none in files written before offload)."""
 
 
 def plan_document(plan: Plan, problem: Problem) -> dict[str, Any]:
@@ -108,6 +111,13 @@ def document(plan: Plan, fingerprint: str, graph: Mapping[str, Any]) -> dict[str
         "recompute_time_s": sim.recompute_time_s,
         "step_time_s": sim.step_time_s,
         "dispatch_time_s": sim.dispatch_time_s,
+        "offloaded": [
+            {"value": o.value, "wait": o.wait, "prefetch": o.prefetch}
+            for o in plan.schedule.offloaded
+        ],
+        "offloaded_bytes": sim.offloaded_bytes,
+        "predicted_host_peak_bytes": sim.host_peak_bytes,
+        "copy_exposed_s": sim.copy_exposed_s,
         "lower_bound_s": plan.lower_bound_s,
         "device_memory": dict(plan.device_memory) if plan.device_memory else None,
     }
@@ -150,6 +160,10 @@ def read_plan(path: str | Path) -> PlanFile:
             torch_version=str(doc["torch_version"]),
             remat_version=str(doc["remat_version"]),
             record=doc,
+            offloads=tuple(
+                Offload(value=str(o["value"]), wait=str(o["wait"]), prefetch=str(o["prefetch"]))
+                for o in doc.get("offloaded", [])
+            ),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"plan file {path} is corrupt: {e}") from None
@@ -207,6 +221,7 @@ def plan_from_file(path: str | Path, problem: Problem) -> Plan:
         solver=f.solver,
         reason=f"loaded from {path} ({f.reason})",
         proof=f.proof,
+        offloads=f.offloads,
     )
 
 

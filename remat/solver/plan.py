@@ -7,12 +7,14 @@ reason for every decision, so a report can say why each value is kept or recompu
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from remat.problem import Problem
 from remat.solver.executor import executor_of
+from remat.solver.offload import Offload
 from remat.solver.schedule import Schedule
 from remat.solver.simulate import Simulation, simulate
 
@@ -108,6 +110,27 @@ class Plan:
         return self.schedule.recomputed
 
     @property
+    def offloaded(self) -> tuple[str, ...]:
+        """Saved values copied to host memory after the forward and back before the backward
+        reads them (:mod:`remat.solver.offload`); empty without a host budget."""
+        return tuple(o.value for o in self.schedule.offloaded)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.simulation.offloaded_bytes
+
+    @property
+    def predicted_host_peak_bytes(self) -> int:
+        """Host memory the offloaded values take at once, at most (the host budget bounds it)."""
+        return self.simulation.host_peak_bytes
+
+    @property
+    def step_time_s(self) -> float:
+        """The step's predicted time: forward, backward with recomputation, the executor's
+        dispatch and the copy time not hidden behind compute."""
+        return self.simulation.step_time_s
+
+    @property
     def proof_text(self) -> str:
         """What is proven, for people: ``optimal``, ``within 3.1% of the floor`` (its recompute
         time against its proven lower bound), or the kind of plan with ``no floor``. Read from
@@ -134,6 +157,13 @@ class Plan:
             f"recomputed, {sim.recompute_flops / 1e9:.3f} GFLOP, "
             f"{overhead:.1%} of the estimated step time"
             + (f" with SAC's dispatch ({dispatch * 1e3:.3f} ms)" if dispatch else "")
+            + (
+                f"; {len(self.offloaded)} saved values offloaded "
+                f"({fmt_bytes(sim.offloaded_bytes)} in host memory at most, "
+                f"{sim.copy_exposed_s * 1e3:.3f} ms of copies not hidden)"
+                if self.offloaded
+                else ""
+            )
             + f"; {self.proof_text}"
             + (f"; the peak covers {self.step}" if self.step else "")
             + f". {self.reason}"
@@ -149,15 +179,25 @@ def make_plan(
     proof: Proof,
     why_saved: Mapping[str, str] | None = None,
     lower_bound_s: float | None = None,
+    offloads: Iterable[Offload] = (),
 ) -> Plan:
-    """Schedule and simulate ``saved``; raises :class:`InvalidPlanError` if it cannot run."""
+    """Schedule and simulate ``saved``, of which ``offloads`` go to host memory and back;
+    raises :class:`InvalidPlanError` (or :class:`remat.solver.offload.OffloadError`) if it
+    cannot run."""
     saved_set = frozenset(saved)
     executor = executor_of(problem)
     schedule = executor.schedule(problem, saved_set)
+    offloads = tuple(offloads)
+    if offloads:
+        schedule = dataclasses.replace(schedule, offloaded=offloads)
     why_saved = why_saved or {}
     decisions = {n: why_saved.get(n, "saved") for n in schedule.saved}
     for n in schedule.recomputed:
         decisions[n] = "recomputed: not saved by the plan"
+    for o in offloads:
+        decisions[o.value] = (
+            f"offloaded: copied to host memory after {o.wait}, back from before {o.prefetch}"
+        )
     return Plan(
         saved=executor.kept(problem, saved_set, schedule),
         solver=solver,
@@ -195,7 +235,9 @@ def gap_text(plan: Plan, floor: float | None) -> str:
 
 def proven(plan: Plan) -> Proof:
     """``plan``'s proof, or :attr:`Proof.OPTIMAL` when its recompute time meets its proven
-    lower bound (or is zero: no plan costs less)."""
+    lower bound (or is zero: no plan costs less), unless it offloads."""
+    if plan.schedule.offloaded:  # its cost is copies too, which no bound covers
+        return plan.proof
     cost = plan.recompute_time_s
     bound = plan.lower_bound_s
     if cost == 0 or (bound is not None and cost <= bound * (1 + 1e-9) + 1e-12):

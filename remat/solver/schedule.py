@@ -27,6 +27,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from remat.problem import EXTERNAL_ROLES, Problem, Role
+from remat.solver.offload import Offload
 
 
 class InvalidPlanError(ValueError):
@@ -51,6 +52,9 @@ class Schedule:
     after their last use."""
     dispatch_s: float = 0.0
     """The executor's own time beside the ops' (``sac``: the policies' calls)."""
+    offloaded: tuple[Offload, ...] = ()
+    """Saved values the executor copies to host memory and back, each at the points of this
+    order it names (:mod:`remat.solver.offload`); the others stay on the device."""
 
 
 def build_schedule(problem: Problem, saved: Iterable[str]) -> Schedule:

@@ -27,9 +27,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from remat.problem import Problem, Role
-from remat.solver import clock
+from remat.solver import clock, offload
 from remat.solver.schedule import Schedule
 
 
@@ -70,15 +71,27 @@ class Simulation:
     dispatch_time_s: float = 0.0
     """The executor's own time beside the ops' (``sac``: selective checkpointing's policy
     calls, :class:`remat.problem.DispatchCosts`); counted in :attr:`step_time_s`."""
+    offloaded_bytes: int = 0
+    """Bytes of the values copied to host memory (:attr:`Schedule.offloaded`)."""
+    host_peak_bytes: int = 0
+    """Host memory the offloaded copies take at once, at most."""
+    copy_exposed_s: float = 0.0
+    """Time compute waits on the copies (:func:`remat.solver.offload.copy_timing`); counted
+    in :attr:`step_time_s`."""
 
     @property
     def step_time_s(self) -> float:
-        return self.forward_time_s + self.backward_time_s + self.dispatch_time_s
+        """Forward, backward (recomputation included), the executor's dispatch and the copy
+        time not hidden behind compute."""
+        return (
+            self.forward_time_s + self.backward_time_s + self.dispatch_time_s + self.copy_exposed_s
+        )
 
     @property
     def added_time_s(self) -> float:
-        """What the plan adds to the step: recomputation and the executor's dispatch."""
-        return self.recompute_time_s + self.dispatch_time_s
+        """What the plan adds to the step: recomputation, the executor's dispatch and exposed
+        copies."""
+        return self.recompute_time_s + self.dispatch_time_s + self.copy_exposed_s
 
 
 class _Memory:
@@ -133,12 +146,16 @@ def _run_graph(
     outputs: Iterable[str],
     recomputed: frozenset[str] = frozenset(),
     held_until: Mapping[str, str] | None = None,
+    released: Mapping[str, list[str]] | None = None,
+    arriving: Mapping[str, list[str]] | None = None,
 ) -> None:
     """Execute one FX graph; its outputs stay held by their variables when it returns.
 
     Inputs arrive held by the caller; a boxed call hands that reference to the graph, which
     drops it after the input's last use (an input never read stays held until the end), or
-    after ``held_until[input]`` if the executor holds it longer.
+    after ``held_until[input]`` if the executor holds it longer. Offload: ``released[op]``,
+    outputs whose device copy is dropped after ``op`` (its copy-out waited on);
+    ``arriving[op]``, inputs copied back to the device from just before ``op``.
     """
     problem = mem.problem
     by_name = problem.by_name
@@ -159,7 +176,10 @@ def _run_graph(
         if name not in last_use and name not in outputs:
             frees.setdefault(k, []).append(name)
     hold, drop, record, no_frees = mem.hold, mem.drop, mem.record, ()
+    released, arriving = released or {}, arriving or {}
     for k, name in enumerate(ops):
+        for value in arriving.get(name, no_frees):
+            hold(value)
         again = name in recomputed
         if again:
             # build_schedule saves such an op instead: its storage cannot be named twice.
@@ -169,6 +189,8 @@ def _run_graph(
         hold(name)
         allocated = mem.live
         for dead in frees.get(k, no_frees):
+            drop(dead)
+        for dead in released.get(name, no_frees):
             drop(dead)
         record(phase, name, allocated, again, by_name[name].scratch_bytes)
 
@@ -187,6 +209,8 @@ def storage_steps(
     the holds of a few storages changes the timeline by theirs alone, found without walking
     every op. ``backward_at``: each backward op's step in another timeline, of which this
     schedule's backward is a subsequence (the steps are then that timeline's)."""
+    if schedule.offloaded:
+        raise ValueError("storage_steps models no offload: simulate a schedule that offloads")
     by_name, users = problem.by_name, problem.users
     names = set(holders)
     before: dict[int, list[tuple[str, int]]] = defaultdict(list)  # (value, +1 hold / -1 drop)
@@ -253,6 +277,44 @@ def storage_steps(
     return out
 
 
+def _check_offloads(problem: Problem, schedule: Schedule) -> None:
+    values = problem.by_name
+    offload.check(
+        schedule.offloaded,
+        schedule.forward,
+        schedule.saved,
+        schedule.backward,
+        {n: values[n].inputs for n in (*schedule.forward, *schedule.backward)},
+        {v.name: (v.storages, v.allocates) for v in problem.values},
+        (*problem.user_outputs, *problem.mutation_outputs),
+    )
+
+
+def _copies(problem: Problem, schedule: Schedule) -> dict[str, Any]:
+    """The offloaded bytes, the host peak and the exposed copy time of ``schedule``. In one
+    step every copy-out precedes every prefetch, so the host holds all offloaded values at
+    once, right after the forward."""
+    if not schedule.offloaded:
+        return {}
+    if problem.link is None:
+        raise offload.OffloadError(
+            f"the {problem.device_profile!r} profile has no copy link: nothing can be offloaded"
+        )
+    values = problem.by_name
+    nbytes = {o.value: problem.storages_bytes(values[o.value].storages) for o in schedule.offloaded}
+    timing = offload.copy_timing(
+        schedule.forward,
+        schedule.backward,
+        {n: values[n].time_s for n in (*schedule.forward, *schedule.backward)},
+        schedule.offloaded,
+        nbytes,
+        offload.first_reads(schedule.backward, {n: values[n].inputs for n in schedule.backward}),
+        problem.link,
+    )
+    total = sum(nbytes.values())
+    return {"offloaded_bytes": total, "host_peak_bytes": total, "copy_exposed_s": timing.exposed_s}
+
+
 class SecondCopyError(ValueError):
     """A schedule recomputes an op whose output storage is still held: a second copy of one
     storage, which the simulator's accounting (one storage, one name) cannot represent.
@@ -269,15 +331,27 @@ def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -
     if intervals:
         mem.intervals = {}
 
-    # Forward graph: returns user outputs, buffer updates, saved values.
+    offloaded = {o.value for o in schedule.offloaded}
+    if offloaded:
+        _check_offloads(problem, schedule)
+    released: dict[str, list[str]] = {}
+    arriving: dict[str, list[str]] = {}
+    for o in schedule.offloaded:
+        released.setdefault(o.wait, []).append(o.value)
+        arriving.setdefault(o.prefetch, []).append(o.value)
+
+    # Forward graph: returns user outputs, buffer updates, saved values (an offloaded one's
+    # device copy is dropped once its copy-out is waited on).
     fw_outputs = (*problem.user_outputs, *problem.mutation_outputs, *schedule.saved)
-    _run_graph(mem, "forward", schedule.forward, fw_outputs)
+    _run_graph(mem, "forward", schedule.forward, fw_outputs, released=released)
     # The graph's output tuple is split: the caller keeps the user outputs, the context the
     # saved values; buffer updates are copied into the buffers and dropped.
     for name in (*problem.user_outputs, *schedule.saved):
-        mem.hold(name)
+        if name not in offloaded:
+            mem.hold(name)
     for name in dict.fromkeys(fw_outputs):
-        mem.drop(name)
+        if name not in offloaded:
+            mem.drop(name)
     mem.record("runtime", "buffer updates", mem.live)
     saved_bytes = problem.storages_bytes(s for n in schedule.saved for s in values[n].storages)
 
@@ -294,6 +368,7 @@ def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -
         problem.grad_outputs if problem.grads_held else (),
         frozenset(schedule.recomputed),
         schedule.held_until,
+        arriving=arriving,
     )
 
     recomputed = [values[n] for n in schedule.recomputed]
@@ -308,6 +383,7 @@ def simulate(problem: Problem, schedule: Schedule, *, intervals: bool = False) -
         forward_time_s=sum(values[n].time_s for n in schedule.forward),
         backward_time_s=sum(values[n].time_s for n in schedule.backward),
         dispatch_time_s=schedule.dispatch_s,
+        **_copies(problem, schedule),
         intervals=mem.intervals,
         held_at_end=(
             {s: mem.opened[s] for s, n in mem.holders.items() if n > 0}

@@ -22,6 +22,7 @@ from remat.measure.profiles import DeviceProfile
 from remat.measure.scratch import measure_graph, where_measured
 from remat.plan.files import plan_from_file
 from remat.problem import Problem
+from remat.solver import offload_search
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.fixed import FIXED_PLANS
 from remat.solver.plan import Plan, make_plan
@@ -146,10 +147,31 @@ def choose_plan(
     solver: str | None = None,
     activation_budget_bytes: int | None = None,
     config: SolverConfig | None = None,
+    host_budget_bytes: int = 0,
 ) -> Plan:
-    """Resolve the user's request (a named plan, an existing plan, or a solver and a budget)."""
+    """Resolve the user's request (a named plan, an existing plan, or a solver and a budget;
+    with a host budget, the search over offload, :mod:`remat.solver.offload_search`)."""
     if plan is not None and (solver is not None or activation_budget_bytes is not None):
         raise ValueError("pass either plan= or solver=/activation_budget_bytes=, not both")
+    if host_budget_bytes:
+        if activation_budget_bytes is None:
+            raise ValueError(
+                "a host budget offloads to fit a device budget: pass budget_gb= or "
+                "activation_budget_bytes= too"
+            )
+        keep_all = solve(problem, solver="keep_all", budget_bytes=None).predicted_peak_bytes
+        # The search solves LADDER + 1 budgets: each gets its share of the time limit.
+        config = config or SolverConfig()
+        share = dataclasses.replace(
+            config, time_limit_s=config.time_limit_s / (offload_search.LADDER + 1)
+        )
+        return offload_search.search(
+            problem,
+            activation_budget_bytes,
+            host_budget_bytes,
+            lambda b: solve(problem, solver=solver or "auto", budget_bytes=b, config=share),
+            keep_all,
+        )
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
         return plan_from_file(plan, problem)
     if isinstance(plan, Plan):
@@ -157,7 +179,12 @@ def choose_plan(
         if unknown:
             raise ValueError(f"the plan saves values this graph does not have: {unknown[:5]}")
         return make_plan(
-            problem, plan.saved, solver=plan.solver, reason=plan.reason, proof=plan.proof
+            problem,
+            plan.saved,
+            solver=plan.solver,
+            reason=plan.reason,
+            proof=plan.proof,
+            offloads=plan.schedule.offloaded,
         )
     if isinstance(plan, str):
         return fixed_plan(problem, plan)

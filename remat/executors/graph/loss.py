@@ -281,6 +281,11 @@ def module_schedule(step: Schedule, module: Problem) -> Schedule:
     """The module's part of the step's schedule: what its executor runs (the loss's values
     and the engine's hold are not its graphs')."""
     names = module.by_name
+    if step.offloaded:
+        raise ValueError(
+            "offload with the loss in the step (loss_fn=) is not supported yet: plan without "
+            "a host budget, or without loss_fn"
+        )
     backward = tuple(n for n in step.backward if n in names)
     read = {i for n in backward for i in names[n].inputs}
     return Schedule(

@@ -27,6 +27,7 @@ from remat._torch_compat import is_fake
 from remat.executors.graph.capture import Captured
 from remat.executors.graph.export import export_graphs
 from remat.executors.graph.run import Executor
+from remat.executors.host_store import HostStore
 from remat.plan.files import save_plan
 from remat.plan.report import explain_plan
 from remat.problem import Problem, Role
@@ -125,6 +126,12 @@ class RematModule(nn.Module):
         return self._first.executor.plan
 
     @property
+    def host_store(self) -> HostStore | None:
+        """Where the plan's offloaded values wait for the backward, with the host bytes it
+        has held (``peak_bytes``); None when the plan offloads nothing."""
+        return self._first.executor.store
+
+    @property
     def plans(self) -> dict[Hashable, Plan]:
         """Every plan made so far, by (training flag, input signature)."""
         return {k: c.executor.plan for k, c in self._compiled.items()}
@@ -148,7 +155,13 @@ class RematModule(nn.Module):
     def export(self, folder: str | Path) -> Path:
         """Write the plan's forward, backward and inference graphs as readable Python plus
         ``plan.json`` to ``folder`` (see :mod:`remat.executors.graph.export`); load the graphs back
-        with ``remat.executors.graph.export.load_graphs``."""
+        with ``remat.executors.graph.export.load_graphs``. A plan that offloads is refused:
+        its graphs call this process's host store."""
+        if self.host_store is not None:
+            raise ValueError(
+                "export: this plan offloads, and its graphs call this process's host store; "
+                "save the plan file instead (save_plan), which a later run applies"
+            )
         folder = export_graphs(self._first.executor.graphs, folder)
         self.save_plan(folder / "plan.json")
         return folder

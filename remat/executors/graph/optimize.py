@@ -145,6 +145,11 @@ class _GraphPlanner:
         loss: Loss | None = None,
         example: tuple[tuple[Any, ...], Mapping[str, Any]] = ((), {}),
     ) -> None:
+        if request.host_budget_bytes and loss is not None:
+            raise ValueError(
+                "host_budget: offload with the loss in the step (loss_fn=) is not supported "
+                "yet; plan without a host budget, or without loss_fn"
+            )
         self.request = request
         self.loss = loss
         self.example = example
@@ -178,6 +183,7 @@ class _GraphPlanner:
                 solver=req.solver,
                 activation_budget_bytes=self.step_budget,
                 config=self.config,
+                host_budget_bytes=req.host_budget_bytes,
             )
 
     def compiled(self, analysis: Analysis, chosen: Plan, solve_s: float) -> Compiled:

@@ -7,12 +7,15 @@ to it are freed after their last use too, not when the backward returns.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
 
 from remat import _torch_compat as tc
 from remat.executors.graph.joint import JointGraph
+from remat.executors.host_store import HostStore, fetch_value, offload_value, wait_offload
+from remat.solver.offload import Offload
 from remat.solver.schedule import Schedule
 
 
@@ -26,13 +29,27 @@ class SplitGraphs:
     """``inference(*primals) -> (*user_outputs, *buffer_updates)``: no saved values."""
 
 
+Hook = Callable[[fx.Graph, dict[str, fx.Node]], None]
+
+
 def _copy_nodes(
-    joint: fx.Graph, names: tuple[str, ...], graph: fx.Graph, env: dict[str, fx.Node]
+    joint: fx.Graph,
+    names: tuple[str, ...],
+    graph: fx.Graph,
+    env: dict[str, fx.Node],
+    before: Mapping[str, list[Hook]] | None = None,
+    after: Mapping[str, list[Hook]] | None = None,
 ) -> None:
+    """Copy ``names`` in order; ``before``/``after``: nodes to add around a copied op."""
     by_name = {n.name: n for n in joint.nodes}
+    before, after = before or {}, after or {}
     for name in names:
+        for hook in before.get(name, ()):
+            hook(graph, env)
         node = by_name[name]
         env[name] = graph.node_copy(node, lambda n: _lookup(env, by_name, graph, n))
+        for hook in after.get(name, ()):
+            hook(graph, env)
 
 
 def _lookup(
@@ -45,24 +62,93 @@ def _lookup(
     return env[n.name]
 
 
-def _forward_graph(joint: JointGraph, ops: tuple[str, ...], outputs: tuple[str, ...]) -> fx.Graph:
+def _forward_graph(
+    joint: JointGraph,
+    ops: tuple[str, ...],
+    outputs: tuple[str, ...],
+    copies: _Copies | None = None,
+) -> fx.Graph:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for ph in joint.primals:
         env[ph.name] = graph.placeholder(ph.name)
-    _copy_nodes(joint.graph_module.graph, ops, graph, env)
-    graph.output(tuple(env[n] for n in outputs))
+    before, after = ({}, {}) if copies is None else copies.forward()
+    _copy_nodes(joint.graph_module.graph, ops, graph, env, before, after)
+    graph.output(tuple(env[OUT + n if copies and n in copies.values else n] for n in outputs))
     return graph
 
 
-def split(joint: JointGraph, schedule: Schedule, random_ops: frozenset[str]) -> SplitGraphs:
+OUT = "remat_offloaded_"
+"""The forward graph's name for an offloaded value's host copy (its output in the value's
+place)."""
+
+
+@dataclass(frozen=True)
+class _Copies:
+    """The offload ops a schedule adds to its graphs (:mod:`remat.solver.offload`): the
+    copy-out after the value's op, its wait after the op the plan names (the graph frees the
+    device copy right after, its last reader), and the copy back before the backward op the
+    plan names."""
+
+    store: int
+    offloads: tuple[Offload, ...]
+
+    @property
+    def values(self) -> frozenset[str]:
+        return frozenset(o.value for o in self.offloads)
+
+    def forward(self) -> tuple[dict[str, list[Hook]], dict[str, list[Hook]]]:
+        after: dict[str, list[Hook]] = {}
+        for o in self.offloads:
+            after.setdefault(o.value, []).append(self._start(o.value))
+        for o in self.offloads:
+            after.setdefault(o.wait, []).append(self._wait(o.value))
+        return {}, after
+
+    def backward(self) -> dict[str, list[Hook]]:
+        before: dict[str, list[Hook]] = {}
+        for o in self.offloads:
+            before.setdefault(o.prefetch, []).append(self._fetch(o.value))
+        return before
+
+    def _start(self, value: str) -> Hook:
+        def hook(graph: fx.Graph, env: dict[str, fx.Node]) -> None:
+            env[OUT + value] = graph.call_function(offload_value, (self.store, env[value]))
+
+        return hook
+
+    def _wait(self, value: str) -> Hook:
+        def hook(graph: fx.Graph, env: dict[str, fx.Node]) -> None:
+            graph.call_function(wait_offload, (self.store, env[OUT + value], env[value]))
+
+        return hook
+
+    def _fetch(self, value: str) -> Hook:
+        def hook(graph: fx.Graph, env: dict[str, fx.Node]) -> None:
+            env[value] = graph.call_function(fetch_value, (self.store, env[value]))
+
+        return hook
+
+
+def split(
+    joint: JointGraph,
+    schedule: Schedule,
+    random_ops: frozenset[str],
+    store: HostStore | None = None,
+) -> SplitGraphs:
     """The three graphs of a schedule; ``random_ops`` run in every forward, used or not, so the
-    random stream is consumed exactly as in eager mode."""
+    random stream is consumed exactly as in eager mode. ``store``: where the schedule's
+    offloaded values go (needed when it has any)."""
     root = joint.graph_module
     jgraph = root.graph
     user = joint.user_outputs
     mutations = tuple(n for n, _ in joint.mutations)
-    fw = _forward_graph(joint, schedule.forward, (*user, *mutations, *schedule.saved))
+    copies = None
+    if schedule.offloaded:
+        if store is None:
+            raise ValueError("a schedule that offloads needs a host store")
+        copies = _Copies(store.key, schedule.offloaded)
+    fw = _forward_graph(joint, schedule.forward, (*user, *mutations, *schedule.saved), copies)
 
     needed_inference: set[str] = set()
     by_name = {n.name: n for n in jgraph.nodes}
@@ -85,7 +171,7 @@ def split(joint: JointGraph, schedule: Schedule, random_ops: frozenset[str]) -> 
         env[name] = bw.placeholder(name)
     for ph in joint.tangents:
         env[ph.name] = bw.placeholder(ph.name)
-    _copy_nodes(jgraph, schedule.backward, bw, env)
+    _copy_nodes(jgraph, schedule.backward, bw, env, copies.backward() if copies else None)
     bw.output(tuple(env[g] for g, _ in joint.grads))
     bw.set_codegen(tc.boxed_codegen())
 

@@ -17,6 +17,7 @@ import torch
 from remat.executors.graph.joint import JointGraph
 from remat.executors.graph.loss import same_layout
 from remat.executors.graph.partition import SplitGraphs, split
+from remat.executors.host_store import HostStore
 from remat.problem import Problem, Role
 from remat.solver.plan import Plan
 from remat.solver.schedule import Schedule
@@ -47,6 +48,8 @@ class Executor:
     tangent_specs: tuple[TensorSpec, ...]
     grad_targets: tuple[int, ...]
     """Index into the primals of each gradient the backward returns."""
+    store: HostStore | None = None
+    """Where the plan's offloaded values wait for the backward (None: it offloads none)."""
 
     def run(self, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """User outputs of one call, differentiable through the plan."""
@@ -126,7 +129,8 @@ def build_executor(
     """The executor of ``plan`` over ``joint``; ``schedule``: the part of the plan's schedule
     the module runs, where the plan covers more (the loss, :mod:`remat.executors.graph.loss`)."""
     schedule = schedule or plan.schedule
-    graphs = split(joint, schedule, frozenset(v.name for v in problem.values if v.random))
+    store = HostStore() if schedule.offloaded else None
+    graphs = split(joint, schedule, frozenset(v.name for v in problem.values if v.random), store)
     primals = joint.primals
     position = {p.name: i for i, p in enumerate(primals)}
     keys = tuple((p.role, p.key) for p in primals)
@@ -145,4 +149,5 @@ def build_executor(
         tangent_outputs=tuple(int(ph.key) for ph in joint.tangents),
         tangent_specs=tuple(tangent_specs),
         grad_targets=tuple(position[ph.name] for _, ph in joint.grads),
+        store=store,
     )

@@ -184,4 +184,5 @@ def build_problem(
         grad_outputs=tuple(n for n, _ in joint.grads),
         device_profile=profile.name,
         metadata=dict(metadata or {}),
+        link=profile.link,
     )

@@ -410,6 +410,11 @@ def _check_pipeline(
 
 
 def _check_request(req: Request) -> None:
+    if req.host_budget_bytes:
+        raise ValueError(
+            "host_budget: offload runs on remat.optimize's executor so far, not yet on "
+            "remat.apply's; plan without a host budget, or with remat.optimize"
+        )
     if req.solver not in (None, "auto", *NATIVE_SOLVERS):
         raise ValueError(
             f"unknown native solver {req.solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"

@@ -1,0 +1,172 @@
+"""Which saved values to offload: a recompute plan for a larger budget, made to fit the real
+one by copying saved values to host memory.
+
+Why this shape: offload trades device memory for copy time, which compute hides where the link
+is fast enough, while recompute trades it for op time that nothing hides. So a plan that keeps
+more (recomputes less) at a larger budget, with enough of its saved values offloaded to come
+back under the budget, can beat the best recompute plan at the budget itself. This search tries
+plans at budgets from the budget up to keep-all's peak, offloads the largest values that hold
+their storage alone until each fits the device budget within the host budget, and keeps the
+plan of least predicted step time (:attr:`remat.solver.simulate.Simulation.step_time_s`, the
+exposed copy time included): the recompute plan at the budget unless an offloading one is
+faster. It is a heuristic over the exact model: every plan it returns is simulated exactly,
+but the choice is not proven optimal (:attr:`Proof.HEURISTIC`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from remat.problem import Link, Problem
+from remat.solver import offload
+from remat.solver.config import BudgetError
+from remat.solver.plan import Plan, Proof, fmt_bytes, make_plan
+from remat.solver.schedule import Schedule
+
+LADDER = 4
+"""Budgets tried above the device budget, evenly up to keep-all's peak."""
+
+
+def offloadable(problem: Problem, schedule: Schedule) -> list[str]:
+    """Saved values the executor can offload exactly (each the only holder of the storages
+    it allocates, none shared with another saved value or the caller's outputs), largest
+    first: the fewest copies free the most."""
+    by = problem.by_name
+    holders: dict[str, int] = {}
+    for n in (*schedule.saved, *problem.user_outputs, *problem.mutation_outputs):
+        for s in by[n].storages:
+            holders[s] = holders.get(s, 0) + 1
+    read = {i for n in schedule.backward for i in by[n].inputs}
+    out = [
+        n
+        for n in schedule.saved
+        if n in read
+        and by[n].storages
+        and set(by[n].storages) == set(by[n].allocates)
+        and all(holders[s] == 1 for s in by[n].storages)
+    ]
+    return sorted(out, key=lambda n: (-problem.storages_bytes(by[n].storages), problem.index[n]))
+
+
+def points(problem: Problem, schedule: Schedule, values: list[str]) -> tuple[offload.Offload, ...]:
+    """:func:`remat.solver.offload.place` on ``schedule`` for ``values``."""
+    by, link = problem.by_name, _link(problem)
+    ops = (*schedule.forward, *schedule.backward)
+    inputs = {n: by[n].inputs for n in ops}
+    return offload.place(
+        schedule.forward,
+        schedule.backward,
+        {n: by[n].time_s for n in ops},
+        values,
+        {v: problem.storages_bytes(by[v].storages) for v in values},
+        offload.last_forward_uses(schedule.forward, inputs),
+        offload.first_reads(schedule.backward, inputs),
+        link,
+    )
+
+
+def offload_to_fit(
+    problem: Problem, plan: Plan, budget_bytes: int, host_budget_bytes: int
+) -> Plan | None:
+    """``plan`` with its largest offloadable values offloaded, one more at a time, until its
+    device peak fits ``budget_bytes`` (None where the host budget or the candidates run out
+    first)."""
+    if plan.predicted_peak_bytes <= budget_bytes:
+        return plan
+    by = problem.by_name
+    chosen: list[str] = []
+    host = 0
+    for value in offloadable(problem, plan.schedule):
+        nbytes = problem.storages_bytes(by[value].storages)
+        if host + nbytes > host_budget_bytes:
+            continue
+        chosen.append(value)
+        host += nbytes
+        tried = make_plan(
+            problem,
+            plan.saved,
+            solver=plan.solver,
+            reason=plan.reason,
+            proof=Proof.HEURISTIC,
+            offloads=points(problem, plan.schedule, chosen),
+        )
+        if tried.predicted_peak_bytes <= budget_bytes:
+            return tried
+    return None
+
+
+def search(
+    problem: Problem,
+    budget_bytes: int,
+    host_budget_bytes: int,
+    solve_at: Callable[[int], Plan],
+    keep_all_peak: int,
+) -> Plan:
+    """The fastest of the recompute plan at ``budget_bytes`` (``solve_at``) and the plans at
+    larger budgets made to fit by offload; raises :class:`BudgetError` where none fits."""
+    _link(problem)
+    tried: list[tuple[int, Plan]] = []
+    base: Plan | None = None
+    refused: BudgetError | None = None
+    try:
+        base = solve_at(budget_bytes)
+    except BudgetError as e:
+        refused = e
+    if keep_all_peak > budget_bytes:
+        step = (keep_all_peak - budget_bytes) / LADDER
+        for k in range(1, LADDER + 1):
+            wider = budget_bytes + round(step * k)
+            try:
+                relaxed = solve_at(wider)
+            except BudgetError:
+                continue
+            fitted = offload_to_fit(problem, relaxed, budget_bytes, host_budget_bytes)
+            if fitted is not None:
+                tried.append((wider, fitted))
+    best = min(
+        [*([(budget_bytes, base)] if base is not None else []), *tried],
+        key=lambda wp: (wp[1].step_time_s, wp[1].offloaded_bytes),
+        default=None,
+    )
+    if best is None:
+        assert refused is not None
+        raise refused
+    wider, plan = best
+    if not plan.offloaded:
+        return plan
+    link = _link(problem)
+    where = (
+        " (a CPU device: its host store is the same memory, so this saves no real memory; "
+        "the device bytes are those a GPU would hold)"
+        if link.synchronous
+        else ""
+    )
+    return dataclasses.replace(
+        plan,
+        solver=f"{plan.solver}+offload",
+        reason=(
+            f"{plan.solver}'s plan for {fmt_bytes(wider)} with {len(plan.offloaded)} saved "
+            f"values ({fmt_bytes(plan.offloaded_bytes)}) offloaded to fit "
+            f"{fmt_bytes(budget_bytes)}: a predicted step of {plan.step_time_s * 1e3:.4g} ms "
+            f"against {base.step_time_s * 1e3:.4g} ms recomputing alone"
+            if base is not None
+            else f"{plan.solver}'s plan for {fmt_bytes(wider)} with {len(plan.offloaded)} "
+            f"saved values offloaded: no recompute plan fits {fmt_bytes(budget_bytes)}"
+        )
+        + where,
+        proof=Proof.HEURISTIC,
+        lower_bound_s=None,
+    )
+
+
+def _link(problem: Problem) -> Link:
+    if problem.link is None:
+        raise offload.OffloadError(
+            f"a host budget needs a copy link, and the {problem.device_profile!r} profile has "
+            "none: pass a device_profile with one (remat.DeviceProfile(link=...))"
+        )
+    return problem.link
+
+
+__all__ = ["LADDER", "offload_to_fit", "offloadable", "points", "search"]
