@@ -61,8 +61,19 @@ def _fits(model: Any, args: Any, report: FitReport, name: str, b: int, s: int) -
     return bool(peaks) and min(peaks) <= step_budget
 
 
-@pytest.mark.parametrize("name", ["no checkpointing", "every block", "remat <= 10%"])
-def test_each_answer_fits_and_the_next_size_does_not(name: str) -> None:
+def test_each_answer_fits_and_the_next_size_does_not(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One fit (about 40 s) and everything checked on it, in one test so that the xdist
+    workers do not each compute it: three rows' answers against concrete captures at them
+    and one size up, the rows against each other, and the command line over the report."""
+    for name in ("no checkpointing", "every block", "remat <= 10%"):
+        _check_row(name)
+    _check_rows()
+    _check_cli(capsys, monkeypatch)
+
+
+def _check_row(name: str) -> None:
     model, args, report = _report()
     row = report.plans[name]
     assert row.max_seq is not None and row.max_batch is not None
@@ -73,7 +84,8 @@ def test_each_answer_fits_and_the_next_size_does_not(name: str) -> None:
     assert not _fits(model, args, report, name, row.max_batch + 1, 32)
 
 
-def test_checkpointing_fits_longer_sequences_than_keeping_everything() -> None:
+def _check_rows() -> None:
+    """Checkpointing fits longer sequences than keeping everything."""
     _, _, report = _report()
     rows = report.plans
     assert rows["every block"].max_seq > rows["no checkpointing"].max_seq  # type: ignore[operator]
@@ -85,10 +97,8 @@ def test_checkpointing_fits_longer_sequences_than_keeping_everything() -> None:
             assert row.at_max_seq.recompute_pct <= float(name[9:-1]) + 1e-9
 
 
-def test_fit_prints_json(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The command line over the report the tests above check (one fit fewer in CI)."""
+def _check_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line over the report the checks above use (one fit fewer in CI)."""
     _, _, report = _report()
     monkeypatch.setattr("remat.cli.fit.fit", lambda *a, **k: report)
     assert main(["fit", "tests.zoo:tiny_llama_factory", "--budget-gb", "0.02", "--device",
