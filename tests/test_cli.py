@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from remat.cli import main
@@ -44,6 +46,7 @@ def _assert_real_png(path: object) -> None:
 
 
 SMALL = ["--set", "n_layer=2", "--set", "n_embd=64", "--set", "n_head=2", "--seq", "64"]
+BUDGET_GB = "0.1115"  # recompute needed; offload fits it (a100)
 
 
 def test_plan_lists_presets(capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,6 +68,27 @@ def test_plan_prints_the_report_and_saves(
     assert code == 0, out
     assert "memory per device" in out and "transformer.h.*.attn" in out and "fits" in out
     assert "max RSS" in out and path.exists()
+
+
+def test_plan_json_with_a_host_budget_offloads_and_steps_faster(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--json`` prints the plan document alone on stdout (the report on stderr);
+    ``--host-budget-gb`` offloads where the a100's link hides the copies."""
+    args = ["plan", "gpt2", *SMALL, "--budget-gb", BUDGET_GB, "--device", "a100",
+            "--executor", "graph", "--solver", "lp_round", "--time-limit", "2", "--json"]  # fmt: skip
+    docs = []
+    for extra in ([], ["--host-budget-gb", "1"]):
+        assert main([*args, *extra]) == 0
+        out = capsys.readouterr().out
+        docs.append(json.loads(out))
+    plain, offload = docs
+    assert plain["format"] == "remat-plan" and plain["offloaded"] == []
+    assert plain["offloaded_bytes"] == plain["predicted_host_peak_bytes"] == 0
+    assert offload["offloaded_bytes"] > 0 and offload["predicted_host_peak_bytes"] > 0
+    assert offload["step_time_s"] < plain["step_time_s"]
+    assert offload["device_memory"]["total"] <= offload["device_memory"]["budget"]
+    assert main([*args, "--pp-size", "2"]) == 2
 
 
 def test_plan_sac_executor_writes_a_file_apply_takes(

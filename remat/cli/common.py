@@ -91,6 +91,7 @@ def request_of(args: argparse.Namespace, progress: Callable[[str], None]) -> Req
         max_seq=getattr(args, "max_seq", None),
         progress=progress,
         workers=getattr(args, "workers", None),
+        host_budget_gb=getattr(args, "host_budget_gb", None),
     )
 
 

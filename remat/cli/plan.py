@@ -11,6 +11,7 @@ rank. ``--pp-size`` plans every stage of a pipeline at once.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import time
 from pathlib import Path
@@ -40,8 +41,9 @@ from remat.presets import PRESETS, Built, build, parse_settings
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    """``remat plan MODEL --budget-gb N ...``: plan a model under FakeTensorMode and report."""
-    console = make_console(120)
+    """``remat plan MODEL --budget-gb N ...``: plan a model under FakeTensorMode and report
+    (``--json``: print the plan document, the report going to stderr)."""
+    console = Console(stderr=True, width=120) if args.json else make_console(120)
     if args.list:
         table = Table(
             title="presets (Hugging Face configs, random init, planned with fake tensors)"
@@ -58,6 +60,9 @@ def plan_command(args: argparse.Namespace) -> int:
         return 0
     if args.model is None:
         console.print("[red]remat plan: name a model (remat plan --list shows the presets)")
+        return 2
+    if args.json and args.pp_size > 1:
+        console.print("[red]remat plan: --json prints one plan; not with --pp-size")
         return 2
     if args.sequence_parallel and args.tp_size < 2:
         console.print("[red]remat plan: --sequence-parallel needs --tp-size 2 or more")
@@ -101,7 +106,10 @@ def plan_command(args: argparse.Namespace) -> int:
             console.print(f"[red]remat plan: {e}")
             return 1
     wall = time.perf_counter() - t0
-    console.print(planned.explain(width=console.width), end="")
+    if args.json:
+        print(json.dumps(planned.document(), indent=1))
+    else:
+        console.print(planned.explain(width=console.width), end="")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     stages = ", ".join(f"{k} {v:.1f} s" for k, v in planned.timings.items())
     console.print(f"wall time {wall:.1f} s ({stages}), max RSS {rss:.2f} GiB")
@@ -173,6 +181,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     floor_option(p)
     p.add_argument("--solver", default=None, help="default: auto")
     p.add_argument("--save", default=None, metavar="PLAN.json", help="write the plan file")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan file's JSON document instead of the report (the report's "
+        "lines go to stderr)",
+    )
+    p.add_argument(
+        "--host-budget-gb",
+        type=float,
+        default=None,
+        help="host memory per rank for offloaded saved values (default: none)",
+    )
     tp_options(p)
     pp_options(p)
     p.set_defaults(func=plan_command)

@@ -27,6 +27,7 @@ from remat.executors.graph.optimize import optimize
 from remat.executors.sac.apply import NATIVE_SOLVERS, apply
 from remat.executors.sac.apply import save_plan as native_save_plan
 from remat.executors.sac.events import StepTrace
+from remat.executors.sac.files import plan_document as native_plan_document
 from remat.executors.sac.hf import kv_cache_off
 from remat.executors.sac.passes import analyze as native_analyze
 from remat.executors.sac.planner import NATIVE_PLANS
@@ -43,6 +44,7 @@ from remat.fit.sac_formula import native_dynamic
 from remat.fit.search import FitReport, fit_graph, fit_sac
 from remat.measure.meter import Loss
 from remat.measure.profiles import get_profile
+from remat.plan.files import plan_document
 from remat.plan.report import explain_plan
 from remat.request import Request, as_args, resolve_profile
 from remat.solver.config import BudgetError, SolverConfig
@@ -152,6 +154,7 @@ class GraphExecutor(Executor):
             module._first.timings,
             lambda width: explain_plan(plan, problem, width=width),
             module.save_plan,
+            lambda: plan_document(plan, problem),
         )
 
     def fit(self, question: FitQuestion) -> FitReport:
@@ -192,6 +195,7 @@ class SacExecutor(Executor):
             state.timings,
             lambda width: explain_applied(state, width=width),
             lambda path: native_save_plan(module, path),
+            lambda: native_plan_document(module),
         )
 
     def fit(self, question: FitQuestion) -> FitReport:

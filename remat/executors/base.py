@@ -39,6 +39,8 @@ class Planned:
     """The plan explained, at a width."""
     writer: Callable[[Path], Path]
     """Writes the plan file."""
+    document: Callable[[], Mapping[str, Any]]
+    """The plan file's JSON document (what :attr:`writer` writes)."""
 
     def explain(self, width: int = 120) -> str:
         """What the plan keeps and recomputes, and its predicted peak and time."""

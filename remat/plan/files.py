@@ -133,6 +133,21 @@ def write_document(doc: Mapping[str, Any], path: str | Path) -> Path:
     return path
 
 
+FIELDS = frozenset(
+    {
+        "format", "version", "remat_version", "torch_version", "fingerprint", "graph",
+        "solver", "reason", "proof", "saved", "recomputed", "decisions",
+        "predicted_peak_bytes", "peak_step", "saved_bytes", "recompute_flops",
+        "recompute_time_s", "step_time_s", "dispatch_time_s", "lower_bound_s",
+        "device_memory", "offloaded", "offloaded_bytes", "predicted_host_peak_bytes",
+        "copy_exposed_s",
+    }
+)  # fmt: skip
+"""The top-level fields a plan file may hold (:func:`document` writes them; files written
+before some were added lack them). Any other is refused: a field this remat does not know,
+from a later remat or an edit, could change what the plan does."""
+
+
 def read_plan(path: str | Path) -> PlanFile:
     path = Path(path)
     try:
@@ -146,6 +161,12 @@ def read_plan(path: str | Path) -> PlanFile:
     if doc.get("version") != VERSION:
         raise PlanFileError(
             f"{path} has plan format version {doc.get('version')!r}; this remat reads {VERSION}"
+        )
+    unknown = sorted(set(doc) - FIELDS)
+    if unknown:
+        raise PlanFileError(
+            f"plan file {path} has fields this remat ({__version__}) does not know: "
+            f"{', '.join(unknown[:5])} (written by remat {doc.get('remat_version')!r}?)"
         )
     try:
         saved = doc["saved"]

@@ -116,6 +116,14 @@ def explain_plan(plan: Plan, problem: Problem, *, width: int = 120) -> str:
         if sim.step_time_s
         else plan.reason
     )
+    if plan.offloaded:
+        console.print(
+            f"{len(plan.offloaded)} saved values offloaded to host memory "
+            f"({_bytes(plan.offloaded_bytes)}; host peak "
+            f"{_bytes(plan.predicted_host_peak_bytes)}), their copies exposing "
+            f"{sim.copy_exposed_s * 1e3:.3f} ms of the predicted {sim.step_time_s * 1e3:.3f} ms "
+            f"step: {', '.join(plan.offloaded[:8])}{' ...' if len(plan.offloaded) > 8 else ''}."
+        )
     if plan.step:
         console.print(f"The peak covers {plan.step}.")
     return buf.getvalue()

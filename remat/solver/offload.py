@@ -72,7 +72,9 @@ def copy_timing(
     if link.synchronous:
         return CopyTiming(busy[True] + busy[False], busy[True], busy[False])
     channels = _Channels(link)
-    out_at = {_producer(o, forward): o for o in offloads}  # copy-out starts after this op
+    missing = [o.value for o in offloads if o.value not in forward]
+    if missing:
+        raise ValueError(f"offloaded values that are not forward ops of the schedule: {missing}")
     waits: dict[str, list[str]] = {}
     starts: dict[str, list[str]] = {}
     reads: dict[str, list[str]] = {}
@@ -80,10 +82,11 @@ def copy_timing(
         waits.setdefault(o.wait, []).append(o.value + ">")
         starts.setdefault(o.prefetch, []).append(o.value)
         reads.setdefault(first_read[o.value], []).append(o.value + "<")
+    offloaded = {o.value for o in offloads}
     for name in forward:
         channels.run(time_s[name])
-        if name in out_at:
-            channels.start(out_at[name].value + ">", nbytes[out_at[name].value], to_host=True)
+        if name in offloaded:  # its copy-out starts when its op ends
+            channels.start(name + ">", nbytes[name], to_host=True)
         for copy in waits.get(name, ()):
             channels.wait(copy)
     for name in backward:
@@ -93,12 +96,6 @@ def copy_timing(
             channels.wait(copy)
         channels.run(time_s[name])
     return CopyTiming(channels.stalled, busy[True], busy[False])
-
-
-def _producer(o: Offload, forward: Sequence[str]) -> str:
-    if o.value not in forward:
-        raise ValueError(f"offloaded {o.value} is not a forward op of the schedule")
-    return o.value
 
 
 @dataclass

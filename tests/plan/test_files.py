@@ -51,6 +51,7 @@ def test_a_plan_for_other_shapes_is_refused(tmp_path: Path) -> None:
         ('{"format": "something-else"}', "not a remat plan file"),
         ('{"format": "remat-plan", "version": 99}', "version 99"),
         ('{"format": "remat-plan", "version": 1, "saved": "x"}', "corrupt"),
+        ('{"format": "remat-plan", "version": 1, "offload_all": true}', "offload_all"),
     ],
 )
 def test_corrupt_files_get_a_clear_error(tmp_path: Path, content: str, match: str) -> None:

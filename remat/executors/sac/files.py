@@ -37,6 +37,11 @@ def file_regions(f: PlanFile, model: nn.Module, blocks: tuple[str, ...]) -> tupl
 def save_plan(model: nn.Module, path: str | Path) -> Path:
     """Write ``model``'s plan (from :func:`apply`) as JSON, with a fingerprint of its blocks'
     op streams, for ``remat.apply(model, inputs, plan=path)`` to re-apply without solving."""
+    return write_document(plan_document(model), path)
+
+
+def plan_document(model: nn.Module) -> dict[str, Any]:
+    """The plan file's JSON document of ``model``'s plan (:func:`save_plan` writes it)."""
     state = applied(model)
     graph: dict[str, Any] = {"executor": NATIVE, "blocks": list(state.blocks), **state.describe}
     replayed = [
@@ -46,7 +51,7 @@ def save_plan(model: nn.Module, path: str | Path) -> Path:
     ]
     if replayed:  # regions replayed whole (torchtitan_op): the file runs them so again
         graph["full_replay"] = replayed
-    return write_document(document(state.plan, state.fingerprint, graph), path)
+    return document(state.plan, state.fingerprint, graph)
 
 
 def solution_from_file(

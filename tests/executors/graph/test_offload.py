@@ -53,6 +53,7 @@ def test_a_host_budget_offloads_trains_bitwise_and_measures_as_predicted(case: C
     assert plan.predicted_peak_bytes <= budget
     assert 0 < plan.predicted_host_peak_bytes <= HOST
     assert "saves no real memory" in plan.reason  # a CPU device
+    assert f"{len(plan.offloaded)} saved values offloaded to host memory" in fast.explain_text()
     # Bitwise over 3 AdamW steps with dropout; device peak == predicted at the allocator.
     assert_trains_like_eager(model, case.inputs(), case.kwargs, plan=plan)
     # The host store holds what the plan predicts, and nothing once the backward is done.
