@@ -47,9 +47,6 @@ class HostStore:
         self.key = next(_IDS)
         _STORES[self.key] = self
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
-
     def offload(self, value: torch.Tensor) -> Stored:
         """Copy ``value``'s storage to host memory (its copy-out); the device copy is freed
         once the graph drops its last reference, after the wait the plan placed."""
