@@ -210,6 +210,28 @@ def last_forward_uses(
     return out
 
 
+def unfit(
+    value: str,
+    holders: Sequence[str],
+    owners: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]],
+) -> str | None:
+    """Why freeing ``value``'s device copy would not free its storages exactly, or None: it
+    must allocate every storage it references, and no entry of ``holders`` (the saved values
+    and the caller's outputs, ``value`` once among them) but its own may reference one.
+    ``owners``: each value's (storages, allocated storages). The one rule of :func:`check`
+    and of the search's candidates."""
+    storages, allocates = owners[value]
+    if not storages:
+        return "holds no storage"
+    if set(storages) != set(allocates):
+        return "is a view of another value's storage: offload its base"
+    shared = [h for h in holders if set(owners[h][0]) & set(storages)]
+    shared.remove(value)
+    if shared:
+        return f"shares its storage with {shared[:3]}, which stay"
+    return None
+
+
 def check(
     offloads: Iterable[Offload],
     forward: Sequence[str],
@@ -237,12 +259,9 @@ def check(
         seen.add(v)
         if v not in saved or v not in at_f:
             raise OffloadError(f"{v} is offloaded but not a saved forward value")
-        storages, allocates = owners[v]
-        if set(storages) != set(allocates):
-            raise OffloadError(f"{v} is a view of another value's storage: offload its base")
-        shared = [h for h in (*saved, *held) if h != v and set(owners[h][0]) & set(storages)]
-        if shared:
-            raise OffloadError(f"{v} shares its storage with {shared[:3]}, which stay")
+        why = unfit(v, (*saved, *held), owners)
+        if why is not None:
+            raise OffloadError(f"{v} {why}")
         if o.wait not in at_f or at_f[o.wait] < at_f[last[v]]:
             raise OffloadError(f"{v}: its copy-out is waited on before its last forward use")
         if v not in first:
@@ -261,4 +280,5 @@ __all__ = [
     "first_reads",
     "last_forward_uses",
     "place",
+    "unfit",
 ]

@@ -33,19 +33,10 @@ def offloadable(problem: Problem, schedule: Schedule) -> list[str]:
     it allocates, none shared with another saved value or the caller's outputs), largest
     first: the fewest copies free the most."""
     by = problem.by_name
-    holders: dict[str, int] = {}
-    for n in (*schedule.saved, *problem.user_outputs, *problem.mutation_outputs):
-        for s in by[n].storages:
-            holders[s] = holders.get(s, 0) + 1
+    holders = (*schedule.saved, *problem.user_outputs, *problem.mutation_outputs)
+    owners = {n: (by[n].storages, by[n].allocates) for n in holders}
     read = {i for n in schedule.backward for i in by[n].inputs}
-    out = [
-        n
-        for n in schedule.saved
-        if n in read
-        and by[n].storages
-        and set(by[n].storages) == set(by[n].allocates)
-        and all(holders[s] == 1 for s in by[n].storages)
-    ]
+    out = [n for n in schedule.saved if n in read and offload.unfit(n, holders, owners) is None]
     return sorted(out, key=lambda n: (-problem.storages_bytes(by[n].storages), problem.index[n]))
 
 

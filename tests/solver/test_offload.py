@@ -161,3 +161,18 @@ def test_offloads_the_executor_cannot_run_exactly_are_refused() -> None:
         plan(good, on=dataclasses.replace(problem, link=None))
     with pytest.raises(ValueError, match="positive"):
         Link(d2h=0.0, h2d=1.0)
+
+
+def test_one_rule_says_which_values_free_their_storage_when_offloaded() -> None:
+    """A value the caller also holds (a user output that is saved too) frees nothing."""
+    owners = {
+        "a": (("s1",), ("s1",)),
+        "view": (("s1",), ()),
+        "b": (("s2",), ("s2",)),
+        "empty": ((), ()),
+    }
+    assert offload.unfit("b", ("a", "b"), owners) is None
+    assert "view of another value" in str(offload.unfit("view", ("view",), owners))
+    assert "holds no storage" in str(offload.unfit("empty", ("empty",), owners))
+    assert "shares its storage with ['view']" in str(offload.unfit("a", ("a", "view"), owners))
+    assert "shares its storage with ['b']" in str(offload.unfit("b", ("b", "b"), owners))
