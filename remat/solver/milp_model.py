@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import pulp
 
@@ -239,14 +239,14 @@ class MilpModel:
         # one variable each: writing the sums out wherever availability is read would cost
         # (values x stages x window) nonzeros (16 M on GPT-2 small, 100x the rest).
         self.C_t: dict[str, list[int]] = {}
-        self.C: dict[str, list[pulp.LpVariable | pulp.LpAffineExpression]] = {}
+        self.C: dict[str, list[pulp.LpVariable]] = {}
         for n in self.fwd:
             self.R_of[n].sort(key=lambda tv: tv[0])
-            prev: pulp.LpVariable | pulp.LpAffineExpression = self.s[n]
+            prev = self.s[n]
             chain = []
             for t, r in self.R_of[n]:
                 c = self._var(f"c_{self.pos[n]}_{t}", lowBound=0, upBound=1)
-                lp += c == prev + r
+                _row(lp, [(c, 1), (prev, -1), (r, -1)], 0, EQ)
                 chain.append(c)
                 prev = c
             self.C_t[n] = [t for t, _ in self.R_of[n]]
@@ -254,51 +254,64 @@ class MilpModel:
 
     def avail(self, n: str, t: int, strict: bool = False) -> pulp.LpAffineExpression:
         """Materialised by stage t (before it if strict)."""
+        var = self.avail_var(n, t, strict)
+        return pulp.lpSum([]) + 1 if var is None else pulp.lpSum([var])
+
+    def avail_var(self, n: str, t: int, strict: bool = False) -> pulp.LpVariable | None:
+        """:meth:`avail`'s variable; None for a value the caller holds (always available)."""
         if self.problem.by_name[n].role in EXTERNAL_ROLES:
-            return pulp.lpSum([]) + 1
+            return None
         k = (bisect.bisect_left if strict else bisect.bisect_right)(self.C_t[n], t)
-        return pulp.lpSum([self.C[n][k - 1] if k else self.s[n]])
+        return self.C[n][k - 1] if k else self.s[n]
 
     def _dataflow(self) -> None:
         """Each value computed once at most, available where read, recomputed only where used."""
-        lp, values, avail = self.lp, self.problem.by_name, self.avail
+        lp, values, has = self.lp, self.problem.by_name, self._has
         for n in self.fwd:
             if n not in self.fold:
-                lp += self.s[n] + pulp.lpSum(v for _, v in self.R_of[n]) <= 1, f"once_{self.pos[n]}"
+                once = [(self.s[n], 1), *((v, 1) for _, v in self.R_of[n])]
+                _row(lp, once, -1, LE, f"once_{self.pos[n]}")
         for t, name in enumerate(self.stages):
             self._tick()
             for u in dict.fromkeys(values[name].inputs):
                 if u in self.pos:
-                    lp += avail(u, t) >= 1, f"read_{t}_{self.pos[u]}"
+                    terms, const = has(u, t)
+                    _row(lp, terms, const - 1, GE, f"read_{t}_{self.pos[u]}")
         for (n, t), var in self.R.items():
             self._tick()
             for u in dict.fromkeys(values[n].inputs):
                 if u in self.pos and self.fold.get(u) != n:  # a folded input shares var
-                    lp += avail(u, t) >= var, f"dep_{self.pos[n]}_{t}_{self.pos[u]}"
+                    terms, const = has(u, t)
+                    _row(lp, [*terms, (var, -1)], const, GE, f"dep_{self.pos[n]}_{t}_{self.pos[u]}")
             # Recompute only where used: with the availability constraints this makes t the
             # first stage that needs the value, exactly where the executor recomputes it.
             if n not in self.fold and t not in self.direct[n]:
-                users = [self.R[c, t] for c in self.consumers[n] if (c, t) in self.R]
-                lp += var <= pulp.lpSum(users), f"need_{self.pos[n]}_{t}"
+                users = [(self.R[c, t], -1) for c in self.consumers[n] if (c, t) in self.R]
+                _row(lp, [(var, 1), *users], 0, LE, f"need_{self.pos[n]}_{t}")
+
+    def _has(self, n: str, t: int, strict: bool = False) -> tuple[list[Term], float]:
+        """:meth:`avail` as terms and a constant, for :func:`_row`."""
+        var = self.avail_var(n, t, strict)
+        return ([], 1.0) if var is None else ([(var, 1)], 0.0)
 
     def _uses(self) -> None:
         """B[h, t]: h is used at stage t or later (1 up to its last direct read)."""
         lp = self.lp
-        self.B: dict[tuple[str, int], pulp.LpAffineExpression | float] = {}
+        self.B: dict[tuple[str, int], pulp.LpVariable] = {}
         for n in self.fwd:
             hi = self.last_possible[n]
             for t in range(hi, self.last_direct[n], -1):
                 var = self._var(f"b_{self.pos[n]}_{t}", lowBound=0, upBound=1)
                 nxt = self.B.get((n, t + 1))
                 if nxt is not None:
-                    lp += var >= nxt
+                    _row(lp, [(var, 1), (nxt, -1)], 0, GE)
                 for c in self.consumers[n]:
                     rc = self.R.get((c, t))
                     if rc is not None:
-                        lp += var >= rc
+                        _row(lp, [(var, 1), (rc, -1)], 0, GE)
                 self.B[n, t] = var
 
-    def used_from(self, n: str, t: int) -> pulp.LpAffineExpression | float:
+    def used_from(self, n: str, t: int) -> pulp.LpVariable | float:
         if t <= self.last_direct[n]:
             return 1.0
         return self.B.get((n, t), 0.0)
@@ -324,7 +337,7 @@ class MilpModel:
     def _backward_memory(self) -> None:
         """Storage liveness at each stage's op (b_t) and in the gap before it, under M."""
         p, lp, T, M = self.problem, self.lp, self.T, self.M
-        avail, used_from = self.avail, self.used_from
+        has, used_from = self._has, self.used_from
         total = 0
         at_op: list[list[tuple[int, pulp.LpVariable]]] = [[] for _ in range(T)]
         before: list[list[tuple[str, int, pulp.LpVariable]]] = [[] for _ in range(T)]
@@ -334,25 +347,29 @@ class MilpModel:
             hi = max(self.last_possible[h] for h in holders)
             for t in range(hi + 1):
                 for kind in ("a", "g"):
-                    terms = []
+                    # var >= mat + use - 1 for each holder: materialised and still used.
+                    rows: list[tuple[list[Term], float]] = []
                     for h in holders:
                         if kind == "a":
                             use = 1.0 if t in self.direct[h] else used_from(h, t + 1)
-                            mat = avail(h, t)
+                            mat, const = has(h, t)
                         else:
                             use = used_from(h, t)
-                            mat = avail(h, t, strict=True)
-                        if isinstance(use, float) and use == 0.0:
-                            continue
-                        terms.append(mat + use - 1)
+                            mat, const = has(h, t, strict=True)
+                        if isinstance(use, float):
+                            if use == 0.0:
+                                continue
+                            rows.append(([(x, -c) for x, c in mat], 1 - const - use))
+                        else:
+                            rows.append(([*((x, -c) for x, c in mat), (use, -1)], 1 - const))
                     bw_held = kind == "a" and s in self.bw_const.hold[self.stage_k[t]]
-                    if not terms and not bw_held:
+                    if not rows and not bw_held:
                         continue
                     var = self._var(f"{kind}_{_safe(s)}_{t}", lowBound=0, upBound=1)
-                    for term in terms:
-                        lp += var >= term
+                    for terms, const in rows:
+                        _row(lp, [(var, 1), *terms], const, GE)
                     if bw_held:
-                        lp += var >= 1
+                        _row(lp, [(var, 1)], -1, GE)
                     if kind == "a":
                         at_op[t].append((nbytes, var))
                     else:
@@ -366,18 +383,11 @@ class MilpModel:
         self.kept_terms = self.live_before[at] if at < T else []
         for t in range(self.memory_from, T):
             self._tick()
-            lp += (
-                self.bw_const.base[self.stage_k[t]] + pulp.lpSum(b * v for b, v in at_op[t]) <= M,
-                f"mem_stage_{t}",
-            )
+            base = self.bw_const.base[self.stage_k[t]]
+            _under(lp, base, at_op[t], M, f"mem_stage_{t}")
             for g, (held, base) in enumerate(self.bw_const.gap_max[t].items()):
-                lp += (
-                    base
-                    + p.storages_bytes(held)
-                    + pulp.lpSum(b * v for s_, b, v in before[t] if s_ not in held)
-                    <= M,
-                    f"mem_gap_{t}_{g}",
-                )
+                live = [(b, v) for s_, b, v in before[t] if s_ not in held]
+                _under(lp, base + p.storages_bytes(held), live, M, f"mem_gap_{t}_{g}")
         if self.bw_const.tail_max:
             lp += pulp.lpSum([]) + self.bw_const.tail_max <= M, "mem_tail"
 
@@ -556,6 +566,38 @@ def start_values(model: MilpModel, plan: Plan) -> dict[pulp.LpVariable, float]:
             return {}
         start[var] = 1.0
     return start
+
+
+Term = tuple[pulp.LpVariable, float]
+"""A variable and its coefficient in a row."""
+EQ, LE, GE = pulp.LpConstraintEQ, pulp.LpConstraintLE, pulp.LpConstraintGE
+
+
+def _row(
+    lp: pulp.LpProblem, terms: Iterable[Term], constant: float, sense: int, name: str | None = None
+) -> None:
+    """Add ``sum(coef * var) + constant <sense> 0``: the row pulp's operators build (the same
+    terms in the same order, a repeated variable's coefficients summed), without the
+    intermediate expressions each operator copies, which took most of a model's build."""
+    coefs: dict[pulp.LpVariable, float] = {}
+    for var, coef in terms:
+        coefs[var] = coefs.get(var, 0) + coef
+    lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(coefs, constant), sense), name)
+
+
+def _under(
+    lp: pulp.LpProblem,
+    base: float,
+    live: Iterable[tuple[int, pulp.LpVariable]],
+    bound: float | pulp.LpVariable,
+    name: str,
+) -> None:
+    """``base + sum(bytes * var) <= bound`` (a budget, or the peak variable)."""
+    terms = [(v, b) for b, v in live if b != 0]  # pulp drops a product by zero
+    if isinstance(bound, pulp.LpVariable):
+        _row(lp, [*terms, (bound, -1)], base, LE, name)
+    else:
+        _row(lp, terms, base - bound, LE, name)
 
 
 def _safe(name: str) -> str:
