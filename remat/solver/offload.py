@@ -22,7 +22,7 @@ one before it in its direction; while both run they share the link (:class:`Link
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.problem import Link
@@ -155,32 +155,47 @@ def place(
     last_forward_use: Mapping[str, str],
     first_read: Mapping[str, str],
     link: Link,
+    copy_ops: Container[str] | None = None,
 ) -> tuple[Offload, ...]:
     """Each value's points: the copy-out waited on at the first forward op, no earlier than the
     value's last forward use, by which the ops since the value's own have run as long as its
     copy takes (the forward's last op if none); the prefetch started at the latest backward op
     from which the ops up to its first reader run that long (the backward's first op if
     none). The latest points that hide each copy alone hold device memory the least while
-    hiding it; queueing behind other copies is the timing model's to charge."""
+    hiding it; queueing behind other copies is the timing model's to charge.
+
+    ``copy_ops``: the ops the executor can put a copy's wait or start at (None: any). The
+    step may hold ops the executor does not run (a loss the training loop computes): a wait
+    moves earlier and a prefetch later to the nearest such op, which exposes more of the copy
+    but never changes what it holds; a value with no such point raises :class:`OffloadError`.
+    """
     at_f = {n: k for k, n in enumerate(forward)}
     at_b = {n: k for k, n in enumerate(backward)}
+    ok = (lambda _: True) if copy_ops is None else copy_ops.__contains__
     out = []
     for v in values:
         p = at_f[v]
-        k = max(p + 1, at_f[last_forward_use[v]])
+        first = at_f[last_forward_use[v]]
+        k = max(p + 1, first)
         need = nbytes[v] / link.d2h
         ran = sum(time_s[forward[j]] for j in range(p + 1, min(k, len(forward) - 1) + 1))
         while k < len(forward) - 1 and ran < need:
             k += 1
             ran += time_s[forward[k]]
-        wait = forward[min(k, len(forward) - 1)]
+        k = min(k, len(forward) - 1)
+        while k > max(p, first) and not ok(forward[k]):
+            k -= 1
         u = at_b[first_read[v]]
         f, ran = u, 0.0
         need = nbytes[v] / link.h2d
         while f > 0 and ran < need:
             f -= 1
             ran += time_s[backward[f]]
-        out.append(Offload(value=v, wait=wait, prefetch=backward[f]))
+        while f < u and not ok(backward[f]):
+            f += 1
+        if not (ok(forward[k]) and ok(backward[f])):
+            raise OffloadError(f"{v}: no op the executor runs can wait on or start its copy")
+        out.append(Offload(value=v, wait=forward[k], prefetch=backward[f]))
     return tuple(out)
 
 

@@ -16,7 +16,7 @@ but the choice is not proven optimal (:attr:`Proof.HEURISTIC`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from remat.problem import Link, Problem
 from remat.solver import offload
@@ -28,20 +28,39 @@ LADDER = 4
 """Budgets tried above the device budget, evenly up to keep-all's peak."""
 
 
-def offloadable(problem: Problem, schedule: Schedule) -> list[str]:
+def offloadable(
+    problem: Problem, schedule: Schedule, copy_ops: Collection[str] | None = None
+) -> list[str]:
     """Saved values the executor can offload exactly (each the only holder of the storages
-    it allocates, none shared with another saved value or the caller's outputs), largest
+    it allocates, none shared with another saved value or the caller's outputs; with
+    ``copy_ops``, the ops the executor runs, one of them and placeable among them), largest
     first: the fewest copies free the most."""
     by = problem.by_name
     holders = (*schedule.saved, *problem.user_outputs, *problem.mutation_outputs)
     owners = {n: (by[n].storages, by[n].allocates) for n in holders}
     read = {i for n in schedule.backward for i in by[n].inputs}
     out = [n for n in schedule.saved if n in read and offload.unfit(n, holders, owners) is None]
+    if copy_ops is not None:
+        out = [n for n in out if n in copy_ops and _placeable(problem, schedule, n, copy_ops)]
     return sorted(out, key=lambda n: (-problem.storages_bytes(by[n].storages), problem.index[n]))
 
 
-def points(problem: Problem, schedule: Schedule, values: list[str]) -> tuple[offload.Offload, ...]:
-    """:func:`remat.solver.offload.place` on ``schedule`` for ``values``."""
+def _placeable(problem: Problem, schedule: Schedule, value: str, copy_ops: Collection[str]) -> bool:
+    try:
+        points(problem, schedule, [value], copy_ops)
+    except offload.OffloadError:
+        return False
+    return True
+
+
+def points(
+    problem: Problem,
+    schedule: Schedule,
+    values: list[str],
+    copy_ops: Collection[str] | None = None,
+) -> tuple[offload.Offload, ...]:
+    """:func:`remat.solver.offload.place` on ``schedule`` for ``values``, at ``copy_ops``
+    (the ops the executor runs; None: all)."""
     by, link = problem.by_name, _link(problem)
     ops = (*schedule.forward, *schedule.backward)
     inputs = {n: by[n].inputs for n in ops}
@@ -54,11 +73,16 @@ def points(problem: Problem, schedule: Schedule, values: list[str]) -> tuple[off
         offload.last_forward_uses(schedule.forward, inputs),
         offload.first_reads(schedule.backward, inputs),
         link,
+        copy_ops,
     )
 
 
 def offload_to_fit(
-    problem: Problem, plan: Plan, budget_bytes: int, host_budget_bytes: int
+    problem: Problem,
+    plan: Plan,
+    budget_bytes: int,
+    host_budget_bytes: int,
+    copy_ops: Collection[str] | None = None,
 ) -> Plan | None:
     """``plan`` with its largest offloadable values offloaded, one more at a time, until its
     device peak fits ``budget_bytes`` (None where the host budget or the candidates run out
@@ -68,7 +92,7 @@ def offload_to_fit(
     by = problem.by_name
     chosen: list[str] = []
     host = 0
-    for value in offloadable(problem, plan.schedule):
+    for value in offloadable(problem, plan.schedule, copy_ops):
         nbytes = problem.storages_bytes(by[value].storages)
         if host + nbytes > host_budget_bytes:
             continue
@@ -80,7 +104,7 @@ def offload_to_fit(
             solver=plan.solver,
             reason=plan.reason,
             proof=Proof.HEURISTIC,
-            offloads=points(problem, plan.schedule, chosen),
+            offloads=points(problem, plan.schedule, chosen, copy_ops),
         )
         if tried.predicted_peak_bytes <= budget_bytes:
             return tried
@@ -93,9 +117,12 @@ def search(
     host_budget_bytes: int,
     solve_at: Callable[[int], Plan],
     keep_all_peak: int,
+    copy_ops: Collection[str] | None = None,
 ) -> Plan:
     """The fastest of the recompute plan at ``budget_bytes`` (``solve_at``) and the plans at
-    larger budgets made to fit by offload; raises :class:`BudgetError` where none fits."""
+    larger budgets made to fit by offload; raises :class:`BudgetError` where none fits.
+    ``copy_ops``: the ops the executor runs, where copies can be waited on or started (None:
+    every op of the step)."""
     _link(problem)
     tried: list[tuple[int, Plan]] = []
     base: Plan | None = None
@@ -112,7 +139,7 @@ def search(
                 relaxed = solve_at(wider)
             except BudgetError:
                 continue
-            fitted = offload_to_fit(problem, relaxed, budget_bytes, host_budget_bytes)
+            fitted = offload_to_fit(problem, relaxed, budget_bytes, host_budget_bytes, copy_ops)
             if fitted is not None:
                 tried.append((wider, fitted))
     best = min(

@@ -163,6 +163,29 @@ def test_offloads_the_executor_cannot_run_exactly_are_refused() -> None:
         Link(d2h=0.0, h2d=1.0)
 
 
+def test_copies_wait_and_start_only_at_the_ops_the_executor_runs() -> None:
+    """A step whose forward ends and backward begins with ops the executor does not run (a
+    loss the loop computes): the wait that hides the copy would be such an op, so it moves to
+    the latest op it runs; the prefetch to the earliest op after the natural one; a value
+    with no such point raises."""
+    forward, backward = ["v", "f1", "loss1", "loss2"], ["dloss1", "dloss2", "b1", "r"]
+    args = (
+        {n: 1.0 for n in forward + backward},  # one second each
+        ["v"],
+        {"v": 250},  # a copy takes 2.5 s each way
+        {"v": "v"},
+        {"v": "r"},
+        Link(d2h=100.0, h2d=100.0),
+    )
+    (free,) = offload.place(forward, backward, *args)
+    assert (free.wait, free.prefetch) == ("loss2", "dloss1")
+    runs = {"v", "f1", "b1", "r"}
+    (bound,) = offload.place(forward, backward, *args, copy_ops=runs)
+    assert (bound.wait, bound.prefetch) == ("f1", "b1")
+    with pytest.raises(OffloadError, match="no op the executor runs"):
+        offload.place(forward, backward, *args, copy_ops={"b1", "r"})
+
+
 def test_one_rule_says_which_values_free_their_storage_when_offloaded() -> None:
     """A value the caller also holds (a user output that is saved too) frees nothing."""
     owners = {

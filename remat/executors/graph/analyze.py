@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,9 +148,11 @@ def choose_plan(
     activation_budget_bytes: int | None = None,
     config: SolverConfig | None = None,
     host_budget_bytes: int = 0,
+    copy_ops: Collection[str] | None = None,
 ) -> Plan:
     """Resolve the user's request (a named plan, an existing plan, or a solver and a budget;
-    with a host budget, the search over offload, :mod:`remat.solver.offload_search`)."""
+    with a host budget, the search over offload, :mod:`remat.solver.offload_search`, its
+    copies waited on and started at ``copy_ops``: the ops the executor runs, None for all)."""
     if plan is not None and (solver is not None or activation_budget_bytes is not None):
         raise ValueError("pass either plan= or solver=/activation_budget_bytes=, not both")
     if host_budget_bytes:
@@ -171,6 +173,7 @@ def choose_plan(
             host_budget_bytes,
             lambda b: solve(problem, solver=solver or "auto", budget_bytes=b, config=share),
             keep_all,
+            copy_ops,
         )
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
         return plan_from_file(plan, problem)

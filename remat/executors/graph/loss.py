@@ -281,10 +281,11 @@ def module_schedule(step: Schedule, module: Problem) -> Schedule:
     """The module's part of the step's schedule: what its executor runs (the loss's values
     and the engine's hold are not its graphs')."""
     names = module.by_name
-    if step.offloaded:
+    outside = [o.value for o in step.offloaded if not {o.value, o.wait, o.prefetch} <= names.keys()]
+    if outside:
         raise ValueError(
-            "offload with the loss in the step (loss_fn=) is not supported yet: plan without "
-            "a host budget, or without loss_fn"
+            f"offloads whose copies wait or start outside the module's graphs: {outside[:3]} "
+            "(copy points must be the module's ops: remat.solver.offload.place's copy_ops)"
         )
     backward = tuple(n for n in step.backward if n in names)
     read = {i for n in backward for i in names[n].inputs}
@@ -294,7 +295,17 @@ def module_schedule(step: Schedule, module: Problem) -> Schedule:
         external_reads=tuple(n for n in step.external_reads if n in read),
         backward=backward,
         recomputed=tuple(n for n in step.recomputed if n in names),
+        offloaded=step.offloaded,
     )
+
+
+def module_ops(step: Problem) -> frozenset[str] | None:
+    """The ops of ``step`` the module's executor runs, where a copy can be waited on or
+    started: all but the loss's and the engine's stand-ins (named under :data:`PREFIX`). None
+    for a step without a loss: every op is the module's."""
+    if "loss" not in step.metadata:
+        return None
+    return frozenset(v.name for v in step.values if not v.name.startswith(PREFIX))
 
 
 def loss_at(

@@ -15,7 +15,7 @@ from typing_extensions import Unpack
 from remat.budget import FSDP_MIXED
 from remat.executors.graph.analyze import Analysis, analyze, choose_plan
 from remat.executors.graph.lengths import LengthPlans, PlanningEvent, bucket_tops
-from remat.executors.graph.loss import loss_at, module_schedule
+from remat.executors.graph.loss import loss_at, module_ops, module_schedule
 from remat.executors.graph.module import Compiled, RematModule, signature
 from remat.executors.graph.run import build_executor
 from remat.fit.graph_shapes import capture_dynamic, sequence_dims
@@ -145,11 +145,6 @@ class _GraphPlanner:
         loss: Loss | None = None,
         example: tuple[tuple[Any, ...], Mapping[str, Any]] = ((), {}),
     ) -> None:
-        if request.host_budget_bytes and loss is not None:
-            raise ValueError(
-                "host_budget: offload with the loss in the step (loss_fn=) is not supported "
-                "yet; plan without a host budget, or without loss_fn"
-            )
         self.request = request
         self.loss = loss
         self.example = example
@@ -184,6 +179,7 @@ class _GraphPlanner:
                 activation_budget_bytes=self.step_budget,
                 config=self.config,
                 host_budget_bytes=req.host_budget_bytes,
+                copy_ops=module_ops(problem),
             )
 
     def compiled(self, analysis: Analysis, chosen: Plan, solve_s: float) -> Compiled:
