@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import pytest
-
 from tests.checks import assert_peak_close
 
 EXPERIMENTS = Path(__file__).parents[2] / "experiments"
@@ -25,11 +23,9 @@ def _compare() -> ModuleType:
     return compare
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+def _quick_rows(tmp_path: Path) -> list[dict[str, str]]:
     compare = _compare()
-
-    out = tmp_path_factory.mktemp("compare") / "quick.csv"
+    out = tmp_path / "quick.csv"
     compare.main(["--quick", "--out", str(out)])
     for model in compare.QUICK:
         assert out.with_name(f"quick_{model}.png").stat().st_size > 5_000
@@ -37,7 +33,16 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_every_model_has_every_peer_and_remat_rows(rows: list[dict[str, str]]) -> None:
+def test_quick_run_rows(tmp_path: Path) -> None:
+    """One quick run (about a minute) and every check on its rows, in one test so that the
+    xdist workers do not each run it."""
+    rows = _quick_rows(tmp_path)
+    _every_model_has_every_peer_and_remat_rows(rows)
+    _remat_rows_are_bitwise_and_predicted_equals_measured(rows)
+    _eager_checkpointing_is_bitwise_and_saves_memory(rows)
+
+
+def _every_model_has_every_peer_and_remat_rows(rows: list[dict[str, str]]) -> None:
     by_model: dict[str, set[str]] = {}
     for r in rows:
         by_model.setdefault(r["model"], set()).add(f"{r['kind']}:{r['method']}")
@@ -50,7 +55,7 @@ def test_every_model_has_every_peer_and_remat_rows(rows: list[dict[str, str]]) -
         assert kinds == expected, model
 
 
-def test_remat_rows_are_bitwise_and_predicted_equals_measured(rows: list[dict[str, str]]) -> None:
+def _remat_rows_are_bitwise_and_predicted_equals_measured(rows: list[dict[str, str]]) -> None:
     remat_rows = [r for r in rows if r["method"] == "remat" and r["peak_bytes"]]
     assert len(remat_rows) >= 6 * 5
     for r in remat_rows:
@@ -65,7 +70,7 @@ def test_remat_rows_are_bitwise_and_predicted_equals_measured(rows: list[dict[st
         assert r["budget_bytes"] == peers[r["model"], r["setting"]]["allocator_peak_bytes"], r
 
 
-def test_eager_checkpointing_is_bitwise_and_saves_memory(rows: list[dict[str, str]]) -> None:
+def _eager_checkpointing_is_bitwise_and_saves_memory(rows: list[dict[str, str]]) -> None:
     """The peers are measured, not assumed: eager checkpointing of every block or layer
     (RNG state preserved) gives eager's gradients and a lower peak."""
     eager = {r["model"]: int(r["peak_bytes"]) for r in rows if r["method"] == "eager"}
