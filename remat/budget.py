@@ -27,7 +27,10 @@ parameters FSDP2 gathers; so it needs ``zero_stage=3`` and ``world_size > 1``.
 Optimizer state is fp32: Adam/AdamW two moments (8 B/param), SGD with momentum one (4 B/param),
 ``none`` nothing. So Adam costs 16 B per trainable parameter in every precision (the ZeRO
 paper's 2 + 2 + 12 split of bf16 weights, bf16 gradients and fp32 master + moments comes to the
-same 16). Frozen parameters cost their bytes and nothing else.
+same 16). Frozen parameters cost their bytes and nothing else. Any other optimizer (a
+``torch.optim.Optimizer`` class or factory: Adafactor, low-memory or 8-bit ones) keeps the
+state one step makes for the model's parameters, measured on FakeTensors
+(:mod:`remat.measure.optimizer_state`).
 
 ZeRO sharding over ``world_size`` devices divides: stage 1 the optimizer state, stage 2 also the
 gradients, stage 3 also the parameters. Gradients are counted inside the step's peak (the
@@ -43,8 +46,9 @@ context, communication buffers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from remat.solver.config import BudgetError
 
@@ -55,6 +59,9 @@ Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-fsdp"]
 precision (``bf16-fsdp``)."""
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """fp32 state tensors per trainable parameter."""
+Optimizer = OptimizerName | str | Callable[[list[Any]], Any]
+"""A named optimizer, or a ``torch.optim.Optimizer`` class or factory of the user's whose
+state is measured (:mod:`remat.measure.optimizer_state`; this module imports no torch)."""
 FSDP_MIXED = "bf16-fsdp"
 """FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): ZeRO-3 only."""
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -87,15 +94,22 @@ class StaticMemory:
 class Options:
     """How the model trains: what the static memory depends on."""
 
-    optimizer: OptimizerName | str = "adamw"
+    optimizer: Optimizer = "adamw"
     precision: Precision | str = "fp32"
     zero_stage: int = 0
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise ValueError(
-                f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}"
+        if isinstance(self.optimizer, str):
+            if self.optimizer not in OPTIMIZER_STATES:
+                raise ValueError(
+                    f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}"
+                    ", or a torch.optim.Optimizer class or factory"
+                )
+        elif not callable(self.optimizer):
+            raise TypeError(
+                "optimizer must be a name, or a torch.optim.Optimizer class or a factory of one "
+                f"from the parameters; got {self.optimizer!r}"
             )
         if self.precision not in PRECISIONS:
             raise ValueError(
@@ -119,11 +133,27 @@ class Options:
 
 
 def static_memory(
-    trainable_bytes: int, frozen_bytes: int, trainable: int, frozen: int, options: Options
+    trainable_bytes: int,
+    frozen_bytes: int,
+    trainable: int,
+    frozen: int,
+    options: Options,
+    optimizer_state_bytes: int | None = None,
 ) -> StaticMemory:
-    """Static bytes per device for parameters of the given sizes (as the model holds them)."""
+    """Static bytes per device for parameters of the given sizes (as the model holds them).
+    ``optimizer_state_bytes``: the state of an optimizer given as a class or factory,
+    measured for these parameters before sharding (required for one, ignored for a name)."""
     n = options.world_size
-    state = 4 * OPTIMIZER_STATES[options.optimizer] * trainable
+    if isinstance(options.optimizer, str):
+        state = 4 * OPTIMIZER_STATES[options.optimizer] * trainable
+    elif optimizer_state_bytes is None:
+        raise ValueError(
+            "an optimizer given as a class or factory has its state measured on the model's "
+            "parameters: remat.request.model_static_memory"
+        )
+    else:
+        state = optimizer_state_bytes
+    full_state = state
     params = trainable_bytes + frozen_bytes
     grad_shards = 0
     if options.zero_stage >= 1:
@@ -138,10 +168,7 @@ def static_memory(
         optimizer_state=state,
         trainable=trainable,
         frozen=frozen,
-        unsharded=trainable_bytes
-        + frozen_bytes
-        + trainable_bytes
-        + 4 * OPTIMIZER_STATES[options.optimizer] * trainable,
+        unsharded=trainable_bytes + frozen_bytes + trainable_bytes + full_state,
     )
 
 
@@ -228,7 +255,7 @@ class StaticMemoryError(ValueError):
         lines = [
             f"device budget {format_bytes(plan.budget_bytes)} does not hold the static memory "
             f"({format_bytes(s.total)}) and the reserve ({format_bytes(plan.reserve_bytes)}): "
-            f"parameters {format_bytes(s.parameters)}, optimizer state ({o.optimizer}) "
+            f"parameters {format_bytes(s.parameters)}, optimizer state ({optimizer_name(o.optimizer)}) "
             f"{format_bytes(s.optimizer_state)}"
             + (f", gradient shards {format_bytes(s.gradient_shards)}" if s.gradient_shards else "")
             + f"; {s.trainable / 1e9:.2f}B trainable parameters, precision {o.precision}, "
@@ -256,10 +283,17 @@ def _what_would_fit(plan: DeviceBudget) -> list[str]:
             f"optimizer state, {format_bytes(plan.static.unsharded)} in all, fill {devices - 1} such "
             "budgets before any activation)"
         )
-    if o.optimizer in ("adam", "adamw"):
+    if isinstance(o.optimizer, str) and o.optimizer in ("adam", "adamw"):
         hints.append("an optimizer with less state (sgd: 4 B/param, none: 0)")
     hints.append(f"a budget above {format_bytes(plan.static.total + plan.reserve_bytes)}")
     return hints
+
+
+def optimizer_name(optimizer: Optimizer) -> str:
+    """How reports name an optimizer: its name, or its class or factory's qualified name."""
+    if isinstance(optimizer, str):
+        return optimizer
+    return getattr(optimizer, "__qualname__", None) or type(optimizer).__qualname__
 
 
 AUTOCAST_PRECISIONS = ("bf16-mixed", "fp16-mixed")

@@ -29,13 +29,14 @@ from remat.budget import (
     GB,
     DeviceBudget,
     DeviceBudgetError,
-    OptimizerName,
+    Optimizer,
     Options,
     Precision,
     StaticMemory,
     device_budget,
     static_memory,
 )
+from remat.measure.optimizer_state import optimizer_state_bytes
 from remat.measure.profiles import DeviceProfile, auto_profile_name
 from remat.solver.config import BudgetError, SolverConfig, SolverName
 from remat.solver.plan import Plan
@@ -197,7 +198,7 @@ class RequestArgs(TypedDict, total=False):
     budget_gb: float | None
     budget_bytes: int | None
     activation_budget_bytes: int | None
-    optimizer: OptimizerName
+    optimizer: Optimizer
     precision: Precision
     zero_stage: int
     world_size: int
@@ -271,10 +272,14 @@ def model_static_memory(model: nn.Module, options: Options) -> StaticMemory:
     # A tensor-parallel model's sharded weights count as this rank's shard of them.
     trainable = [tc.local_tensor(p) for p in model.parameters() if p.requires_grad]
     frozen = [tc.local_tensor(p) for p in model.parameters() if not p.requires_grad]
+    measured = None
+    if not isinstance(options.optimizer, str):  # the user's class or factory
+        measured = optimizer_state_bytes(trainable, options.optimizer)
     return static_memory(
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
         frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
         trainable=sum(p.numel() for p in trainable),
         frozen=sum(p.numel() for p in frozen),
         options=options,
+        optimizer_state_bytes=measured,
     )

@@ -71,7 +71,10 @@ def optimize(
             2-3; see :mod:`remat.budget` for the convention) and a reserve, and plans the step
             in the rest. ``module.plan.device_memory`` has the breakdown; ``remat.explain``
             prints it.
-        optimizer: ``adamw``, ``adam``, ``sgd`` (with momentum) or ``none``.
+        optimizer: ``adamw``, ``adam``, ``sgd`` (with momentum) or ``none``; or a
+            ``torch.optim.Optimizer`` class or a factory making one from a list of
+            parameters (Adafactor, a low-memory or 8-bit one): its state after one step on
+            FakeTensor copies of the parameters is what the budget counts.
         precision: ``fp32``, ``bf16-mixed`` or ``fp16-mixed`` (the step is traced and run
             under ``torch.autocast``: activations have their 16-bit sizes).
         zero_stage, world_size: ZeRO sharding of optimizer state (1), gradients (2) and
