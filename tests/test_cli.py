@@ -91,6 +91,24 @@ def test_plan_json_with_a_host_budget_offloads_and_steps_faster(
     assert main([*args, "--pp-size", "2"]) == 2
 
 
+def test_an_optimizer_by_module_path_has_its_state_measured(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--optimizer module:attr`` loads a torch.optim.Optimizer class; the plan's device
+    memory counts the state it makes (Adafactor's factored moments: less than AdamW's)."""
+    args = ["plan", "gpt2", *SMALL, "--budget-gb", "1", "--executor", "graph",
+            "--solver", "chen_greedy", "--json"]  # fmt: skip
+    state = {}
+    for name in ("adamw", "torch.optim:Adafactor"):
+        assert main([*args, "--optimizer", name]) == 0
+        state[name] = json.loads(capsys.readouterr().out)["device_memory"]["optimizer_state"]
+    assert 0 < state["torch.optim:Adafactor"] < state["adamw"] // 2
+    for bad in ("lion", "torch.optim:Lion", "math:pi"):
+        with pytest.raises(SystemExit):
+            main([*args, "--optimizer", bad])
+        assert "--optimizer" in capsys.readouterr().err
+
+
 def test_plan_sac_executor_writes_a_file_apply_takes(
     tmp_path: object, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -4,6 +4,7 @@ model's parallel layout, consoles and number formats."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -14,7 +15,9 @@ from rich.console import Console
 from remat.budget import (
     DEFAULT_RESERVE,
     GB,
+    OPTIMIZER_STATES,
     PRECISIONS,
+    Optimizer,
 )
 from remat.executors import EXECUTORS, SAC, Executor
 from remat.measure.profiles import PROFILE_NAMES
@@ -159,12 +162,35 @@ def pp_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def optimizer_arg(text: str) -> Optimizer:
+    """``--optimizer``: a name, or ``module:attr`` naming an optimizer class or factory."""
+    if text in OPTIMIZER_STATES:
+        return text
+    module_name, sep, attr = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(
+            f"unknown optimizer {text!r}: one of {', '.join(OPTIMIZER_STATES)}, or module:attr "
+            "(torch.optim:Adafactor)"
+        )
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot load optimizer {text!r}: {e}") from None
+    if not callable(found):
+        raise argparse.ArgumentTypeError(f"{text} is not an optimizer class or factory")
+    return found  # type: ignore[no-any-return]
+
+
 def model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="bf16-fsdp: FSDP2's MixedPrecisionPolicy (--executor sac, ZeRO-3)")  # fmt: skip
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument(
+        "--optimizer", default="adamw", type=optimizer_arg,
+        help="adamw, adam, sgd, none, or module:attr naming a torch.optim.Optimizer class or "
+        "a factory of one from the parameters (torch.optim:Adafactor): its state is measured",
+    )  # fmt: skip
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--reserve", type=float, default=DEFAULT_RESERVE, help="reserve fraction")

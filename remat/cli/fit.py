@@ -21,6 +21,7 @@ from rich.table import Table
 from remat.budget import (
     GB,
     StaticMemoryError,
+    optimizer_name,
 )
 from remat.cli.common import (
     executor_of,
@@ -109,8 +110,8 @@ def _print_report(
     """The fit's table, hints, formula and ``--plot``, with the wall time and peak RSS."""
     d = report.budget
     console.print(
-        f"[bold]{built.description}[/]; {args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}"
-        f" x {args.world_size}{tp_text(args)}, profile {args.device}, executor {executor.name}. "
+        f"[bold]{built.description}[/]; {args.precision}, {optimizer_name(args.optimizer)}, "
+        f"ZeRO-{args.zero_stage} x {args.world_size}{tp_text(args)}, profile {args.device}, executor {executor.name}. "
         f"Budget {gb_text(d.budget_bytes)}: static "
         f"{gb_text(d.static.total)}, reserve {gb_text(d.reserve_bytes)}, step "
         f"{gb_text(d.step_budget_bytes)}"
@@ -183,7 +184,7 @@ def _fit_pipeline(
         f"[bold]{built.description}[/]: {len(stages)} stages on {len(report.budgets)} ranks "
         f"(layers per stage: {', '.join(str(len(s.layers)) for s in stages)}), "
         f"{report.schedule}, {microbatches} microbatches{tp_text(args)}; {args.precision}, "
-        f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}, profile "
+        f"{optimizer_name(args.optimizer)}, ZeRO-{args.zero_stage} x {args.world_size}, profile "
         f"{args.device}. Budget {args.budget_gb:g} GB per rank's device; static per rank "
         f"{static} GB"
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from remat.budget import optimizer_name
 from remat.cli.common import (
     executor_of,
     floor_option,
@@ -91,7 +92,7 @@ def plan_command(args: argparse.Namespace) -> int:
             tp += f": {args.world_size * args.tp_size} ranks on a 2-D mesh"
     console.print(
         f"[bold]{built.description}[/]: {n / 1e9:.2f}B parameters; {args.precision}, "
-        f"{args.optimizer}, ZeRO-{args.zero_stage} x {args.world_size}{tp}, profile "
+        f"{optimizer_name(args.optimizer)}, ZeRO-{args.zero_stage} x {args.world_size}{tp}, profile "
         f"{args.device}, budget {args.budget_gb} GB per device"
     )
     console.print(f"executor: {executor}")
@@ -138,7 +139,7 @@ def _plan_pipeline(
         f"{microbatches} microbatches of {micro.shape[0]}"
         f"{f', tensor parallel x {args.tp_size}' if args.tp_size > 1 else ''}"
         f"{f', ZeRO-3 x {args.world_size}' if args.zero_stage == 3 else ''}; "
-        f"{args.precision}, {args.optimizer}, "
+        f"{args.precision}, {optimizer_name(args.optimizer)}, "
         f"profile {args.device}, budget {args.budget_gb} GB per rank's device"
     )
     console.print(f"executor: {executor}")
