@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection
 from remat.problem import Link, Problem
 from remat.solver import offload
 from remat.solver.config import BudgetError
+from remat.solver.milp_model import ModelTimeout
 from remat.solver.plan import Plan, Proof, fmt_bytes, make_plan
 from remat.solver.schedule import Schedule
 
@@ -131,13 +132,18 @@ def search(
         base = solve_at(budget_bytes)
     except BudgetError as e:
         refused = e
+    except ModelTimeout as e:
+        raise ModelTimeout(
+            f"{e}: with a host budget the search solves {LADDER + 1} budgets, each with a "
+            f"{LADDER + 1}th of time_limit_s; give it more"
+        ) from e
     if keep_all_peak > budget_bytes:
         step = (keep_all_peak - budget_bytes) / LADDER
         for k in range(1, LADDER + 1):
             wider = budget_bytes + round(step * k)
             try:
                 relaxed = solve_at(wider)
-            except BudgetError:
+            except (BudgetError, ModelTimeout):  # none at this budget, or not in its share
                 continue
             fitted = offload_to_fit(problem, relaxed, budget_bytes, host_budget_bytes, copy_ops)
             if fitted is not None:
