@@ -255,8 +255,8 @@ class StaticMemoryError(ValueError):
         lines = [
             f"device budget {format_bytes(plan.budget_bytes)} does not hold the static memory "
             f"({format_bytes(s.total)}) and the reserve ({format_bytes(plan.reserve_bytes)}): "
-            f"parameters {format_bytes(s.parameters)}, optimizer state ({optimizer_name(o.optimizer)}) "
-            f"{format_bytes(s.optimizer_state)}"
+            f"parameters {format_bytes(s.parameters)}, optimizer state "
+            f"({optimizer_name(o.optimizer)}) {format_bytes(s.optimizer_state)}"
             + (f", gradient shards {format_bytes(s.gradient_shards)}" if s.gradient_shards else "")
             + f"; {s.trainable / 1e9:.2f}B trainable parameters, precision {o.precision}, "
             f"ZeRO stage {o.zero_stage} over {o.world_size} device(s)."

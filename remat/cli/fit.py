@@ -111,7 +111,8 @@ def _print_report(
     d = report.budget
     console.print(
         f"[bold]{built.description}[/]; {args.precision}, {optimizer_name(args.optimizer)}, "
-        f"ZeRO-{args.zero_stage} x {args.world_size}{tp_text(args)}, profile {args.device}, executor {executor.name}. "
+        f"ZeRO-{args.zero_stage} x {args.world_size}{tp_text(args)}, profile {args.device}, "
+        f"executor {executor.name}. "
         f"Budget {gb_text(d.budget_bytes)}: static "
         f"{gb_text(d.static.total)}, reserve {gb_text(d.reserve_bytes)}, step "
         f"{gb_text(d.step_budget_bytes)}"

@@ -92,8 +92,8 @@ def plan_command(args: argparse.Namespace) -> int:
             tp += f": {args.world_size * args.tp_size} ranks on a 2-D mesh"
     console.print(
         f"[bold]{built.description}[/]: {n / 1e9:.2f}B parameters; {args.precision}, "
-        f"{optimizer_name(args.optimizer)}, ZeRO-{args.zero_stage} x {args.world_size}{tp}, profile "
-        f"{args.device}, budget {args.budget_gb} GB per device"
+        f"{optimizer_name(args.optimizer)}, ZeRO-{args.zero_stage} x {args.world_size}{tp}, "
+        f"profile {args.device}, budget {args.budget_gb} GB per device"
     )
     console.print(f"executor: {executor}")
     progress = console.status("planning...")

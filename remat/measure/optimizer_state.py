@@ -28,7 +28,7 @@ def optimizer_state_bytes(params: Sequence[torch.Tensor], factory: OptimizerFact
     """Bytes of the device state ``factory``'s optimizer holds for ``params`` after one step,
     on FakeTensor stand-ins of their shapes, dtypes and devices (each state tensor that lives
     on its parameter's device, a storage counted once). Optimizers whose step reads tensor
-    values (Adafactor's, for its learning rate) stop there under FakeTensors; their state is
+    values (Adafactor's reads its step count) stop there under FakeTensors; their state is
     made before, so it counts once every parameter has its entry."""
     name = optimizer_name(factory)
     with tc.fake_mode():
