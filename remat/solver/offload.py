@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.problem import Link
+from remat.problem import Link, Problem
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,17 @@ def place(
 
 class OffloadError(ValueError):
     """An offload the executor cannot run exactly: a value that is not its storages' only
-    holder, or points out of order."""
+    holder, points out of order, or a device with no copy link."""
+
+
+def link_of(problem: Problem) -> Link:
+    """``problem``'s copy link; raises :class:`OffloadError` where its profile has none."""
+    if problem.link is None:
+        raise OffloadError(
+            f"the {problem.device_profile!r} profile has no copy link: nothing can be "
+            "offloaded; pass a device_profile with one (remat.DeviceProfile(link=...))"
+        )
+    return problem.link
 
 
 def first_reads(backward: Sequence[str], inputs: Mapping[str, Sequence[str]]) -> dict[str, str]:
@@ -294,6 +304,7 @@ __all__ = [
     "copy_timing",
     "first_reads",
     "last_forward_uses",
+    "link_of",
     "place",
     "unfit",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
-from remat.problem import Link, Problem
+from remat.problem import Problem
 from remat.solver import offload
 from remat.solver.config import BudgetError
 from remat.solver.milp_model import ModelTimeout
@@ -62,7 +62,7 @@ def points(
 ) -> tuple[offload.Offload, ...]:
     """:func:`remat.solver.offload.place` on ``schedule`` for ``values``, at ``copy_ops``
     (the ops the executor runs; None: all)."""
-    by, link = problem.by_name, _link(problem)
+    by, link = problem.by_name, offload.link_of(problem)
     ops = (*schedule.forward, *schedule.backward)
     inputs = {n: by[n].inputs for n in ops}
     return offload.place(
@@ -124,7 +124,7 @@ def search(
     larger budgets made to fit by offload; raises :class:`BudgetError` where none fits.
     ``copy_ops``: the ops the executor runs, where copies can be waited on or started (None:
     every op of the step)."""
-    _link(problem)
+    offload.link_of(problem)
     tried: list[tuple[int, Plan]] = []
     base: Plan | None = None
     refused: BudgetError | None = None
@@ -159,7 +159,7 @@ def search(
     wider, plan = best
     if not plan.offloaded:
         return plan
-    link = _link(problem)
+    link = offload.link_of(problem)
     where = (
         " (a CPU device: its host store is the same memory, so this saves no real memory; "
         "the device bytes are those a GPU would hold)"
@@ -182,15 +182,6 @@ def search(
         proof=Proof.HEURISTIC,
         lower_bound_s=None,
     )
-
-
-def _link(problem: Problem) -> Link:
-    if problem.link is None:
-        raise offload.OffloadError(
-            f"a host budget needs a copy link, and the {problem.device_profile!r} profile has "
-            "none: pass a device_profile with one (remat.DeviceProfile(link=...))"
-        )
-    return problem.link
 
 
 __all__ = ["LADDER", "offload_to_fit", "offloadable", "points", "search"]

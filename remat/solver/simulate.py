@@ -296,10 +296,7 @@ def _copies(problem: Problem, schedule: Schedule) -> dict[str, Any]:
     once, right after the forward."""
     if not schedule.offloaded:
         return {}
-    if problem.link is None:
-        raise offload.OffloadError(
-            f"the {problem.device_profile!r} profile has no copy link: nothing can be offloaded"
-        )
+    link = offload.link_of(problem)
     values = problem.by_name
     nbytes = {o.value: problem.storages_bytes(values[o.value].storages) for o in schedule.offloaded}
     timing = offload.copy_timing(
@@ -309,7 +306,7 @@ def _copies(problem: Problem, schedule: Schedule) -> dict[str, Any]:
         schedule.offloaded,
         nbytes,
         offload.first_reads(schedule.backward, {n: values[n].inputs for n in schedule.backward}),
-        problem.link,
+        link,
     )
     total = sum(nbytes.values())
     return {"offloaded_bytes": total, "host_peak_bytes": total, "copy_exposed_s": timing.exposed_s}

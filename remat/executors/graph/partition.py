@@ -72,9 +72,10 @@ def _forward_graph(
     env: dict[str, fx.Node] = {}
     for ph in joint.primals:
         env[ph.name] = graph.placeholder(ph.name)
-    before, after = ({}, {}) if copies is None else copies.forward()
-    _copy_nodes(joint.graph_module.graph, ops, graph, env, before, after)
-    graph.output(tuple(env[OUT + n if copies and n in copies.values else n] for n in outputs))
+    after = None if copies is None else copies.forward()
+    _copy_nodes(joint.graph_module.graph, ops, graph, env, after=after)
+    offloaded = frozenset() if copies is None else copies.values
+    graph.output(tuple(env[OUT + n if n in offloaded else n] for n in outputs))
     return graph
 
 
@@ -97,15 +98,17 @@ class _Copies:
     def values(self) -> frozenset[str]:
         return frozenset(o.value for o in self.offloads)
 
-    def forward(self) -> tuple[dict[str, list[Hook]], dict[str, list[Hook]]]:
+    def forward(self) -> dict[str, list[Hook]]:
+        """Nodes to add after forward ops: every copy-out, then every wait."""
         after: dict[str, list[Hook]] = {}
         for o in self.offloads:
             after.setdefault(o.value, []).append(self._start(o.value))
         for o in self.offloads:
             after.setdefault(o.wait, []).append(self._wait(o.value))
-        return {}, after
+        return after
 
     def backward(self) -> dict[str, list[Hook]]:
+        """Nodes to add before backward ops: the copies back."""
         before: dict[str, list[Hook]] = {}
         for o in self.offloads:
             before.setdefault(o.prefetch, []).append(self._fetch(o.value))
