@@ -15,7 +15,7 @@ each executor's schedule lives in :mod:`remat.solver.executor` and never imports
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -110,9 +110,11 @@ class _SacComparison(Comparison):
         self.model = model
         self.solvers = [*(f"plan:{n}" for n in NATIVE_PLANS), "auto", *NATIVE_SOLVERS]
 
-    def _tracer(self, policies: Any, schedule: bool = True) -> StepTrace:
+    def _tracer(
+        self, policies: Any, schedule: bool = True, offload: Sequence[bool] | None = None
+    ) -> StepTrace:
         with kv_cache_off(self.model):
-            return self.traced.trace(self.args, self.kwargs, policies, schedule)
+            return self.traced.trace(self.args, self.kwargs, policies, schedule, offload)
 
     def peak_range(self, config: SolverConfig) -> tuple[int, int]:
         least = native_fixed(self.problem, "block", self._tracer).trace.peak_bytes

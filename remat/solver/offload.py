@@ -27,6 +27,12 @@ from dataclasses import dataclass
 
 from remat.problem import Link, Problem
 
+SAME_MEMORY = (
+    "a CPU device: its host store is the same memory, so this saves no real memory; the "
+    "device bytes are those a GPU would hold"
+)
+"""What a plan that offloads on a CPU device says (its link is synchronous)."""
+
 
 @dataclass(frozen=True)
 class Offload:
@@ -299,6 +305,7 @@ __all__ = [
     "CopyTiming",
     "Link",
     "Offload",
+    "SAME_MEMORY",
     "OffloadError",
     "check",
     "copy_timing",

@@ -160,12 +160,7 @@ def search(
     if not plan.offloaded:
         return plan
     link = offload.link_of(problem)
-    where = (
-        " (a CPU device: its host store is the same memory, so this saves no real memory; "
-        "the device bytes are those a GPU would hold)"
-        if link.synchronous
-        else ""
-    )
+    where = f" ({offload.SAME_MEMORY})" if link.synchronous else ""
     return dataclasses.replace(
         plan,
         solver=f"{plan.solver}+offload",

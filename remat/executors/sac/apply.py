@@ -23,9 +23,11 @@ from typing_extensions import Unpack
 
 from remat import _torch_compat as tc
 from remat.budget import PRECISIONS, Options, autocast_cache_hint
+from remat.executors.host_store import HostStore
 from remat.executors.sac import agree, planner, regions
 from remat.executors.sac.files import file_regions, save_plan
 from remat.executors.sac.hf import disable_kv_cache, restore_kv_cache
+from remat.executors.sac.offload import Offloads
 from remat.executors.sac.passes import Stage, analyze, plan_step
 from remat.executors.sac.regions import BlockError
 from remat.executors.sac.state import _STATE, Applied, _find_state, applied
@@ -34,6 +36,7 @@ from remat.fit.graph_shapes import inputs_at, sequence_dims
 from remat.measure.autocast import AUTOCAST
 from remat.measure.meter import Loss
 from remat.measure.profiles import DeviceProfile, get_profile
+from remat.measure.scratch import device_of
 from remat.parallel.pipelining import Pipeline
 from remat.plan.files import (
     read_plan,
@@ -47,6 +50,7 @@ from remat.request import (
     resolve_profile,
 )
 from remat.solver.config import BudgetError
+from remat.solver.offload import SAME_MEMORY
 from remat.solver.plan import STEP_WITH_LOSS, STEP_WITHOUT_LOSS, Plan
 from remat.solver.registry import solvers_for
 
@@ -198,6 +202,12 @@ def _apply(
     loss = Loss.of(loss_fn, target)
     device = req.device(model)
     profile = get_profile(resolve_profile(model, req.device_profile))
+    if req.host_budget_bytes and profile.link is None:
+        raise ValueError(
+            f"host_budget: device profile {profile.name} has no copy link to host memory "
+            "(DeviceProfile.link), which offload's timing needs: give it one, or plan "
+            "without a host budget"
+        )
     options = req.training
 
     t0 = time.perf_counter()
@@ -234,12 +244,12 @@ def _apply(
         raise
     t1 = time.perf_counter()
     chosen = _chosen(problem, solution, chose, options, step_planned(loss, pipeline))
+    if solution.trace.offloaded and profile.link is not None and profile.link.synchronous:
+        chosen = replace(chosen, reason=f"{chosen.reason}; offload on {SAME_MEMORY}")
     if device is not None:
         chosen = replace(chosen, device_memory=device.breakdown(chosen))
 
-    modules = dict(model.named_modules())
-    for path, policy in zip(problem.blocks, solution.policies, strict=True):
-        regions.wrap(modules[path], path, policy)
+    offloads = _wrap(model, problem, solution, use_cache)
     model.__dict__[_STATE] = Applied(
         plan=chosen,
         blocks=problem.blocks,
@@ -259,8 +269,33 @@ def _apply(
         schedule=solution.trace.schedule,
         eager_times_s=_times(problem.baseline),
         eager_schedule=problem.baseline.schedule,
+        offloads=offloads,
     )
     return model
+
+
+def _wrap(
+    model: nn.Module,
+    problem: planner.NativeProblem,
+    solution: planner.Solution,
+    use_cache: tuple[str, ...],
+) -> Offloads | None:
+    """Wrap the regions with the solution's policies, and its offload: their host store
+    (None without offload), which runs on a CPU device so far."""
+    modules = dict(model.named_modules())
+    offloaded = solution.trace.offloaded
+    where = device_of(model)
+    if offloaded and where is not None and where.type != "cpu":
+        restore_kv_cache(model, use_cache)
+        raise ValueError(
+            f"the plan offloads {len(offloaded)} regions' inputs, and offload runs on a CPU "
+            f"device so far, not {where.type} (copies on side streams and a pinned pool are "
+            "not built yet): plan without a host budget"
+        )
+    offloads = Offloads(HostStore()) if offloaded else None
+    for k, (path, policy) in enumerate(zip(problem.blocks, solution.policies, strict=True)):
+        regions.wrap(modules[path], path, policy, offloads, k in offloaded)
+    return offloads
 
 
 def _chosen(
@@ -391,6 +426,11 @@ def _check_pipeline(
                 "target is the loss's: pass loss_fn= too (loss = loss_fn(output, target))"
             )
         return
+    if req.host_budget_bytes:
+        raise ValueError(
+            "host_budget: a pipeline stage offloads nothing yet (its microbatches in flight "
+            "would each hold copies); plan the stage without a host budget"
+        )
     if loss_fn is not None:
         raise ValueError(
             "a pipeline stage's loss is the pipeline's: remat.Pipeline(..., loss_fn=...), "
@@ -410,11 +450,6 @@ def _check_pipeline(
 
 
 def _check_request(req: Request) -> None:
-    if req.host_budget_bytes:
-        raise ValueError(
-            "host_budget: offload runs on remat.optimize's executor so far, not yet on "
-            "remat.apply's; plan without a host budget, or with remat.optimize"
-        )
     if req.solver not in (None, "auto", *NATIVE_SOLVERS):
         raise ValueError(
             f"unknown native solver {req.solver!r}; valid: auto, {', '.join(sorted(NATIVE_SOLVERS))}"

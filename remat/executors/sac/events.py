@@ -62,6 +62,20 @@ class OpEvent:
 
 
 @dataclass(frozen=True)
+class CopyMark:
+    """An offloaded input's fixed point in a traced step (:mod:`remat.executors.sac.offload`):
+    ``kind`` is ``out`` (its copy-out starts), ``release`` (its device copy is let go),
+    ``prefetch`` (its copy back starts) or ``use`` (the region's replay takes it); ``event``:
+    how many ops of the step had run by then."""
+
+    kind: str
+    copy: int
+    region: str
+    nbytes: int
+    event: int
+
+
+@dataclass(frozen=True)
 class StepTrace:
     events: tuple[OpEvent, ...]
     peak_bytes: int
@@ -95,6 +109,21 @@ class StepTrace:
     """Per block, what selective checkpointing's own dispatch adds to the step (the
     profile's :class:`remat.problem.DispatchCosts` times the policy calls the step made; 0
     for a block run without checkpoint). Empty: not counted."""
+
+    copies: tuple[CopyMark, ...] = ()
+    """Where each offloaded region's copies start, release, prefetch and are used
+    (:mod:`remat.executors.sac.offload`); empty without offload."""
+    offloaded: tuple[int, ...] = ()
+    """The regions whose activation inputs waited in host memory."""
+    host_peak_bytes: int = 0
+    """The host store's peak: every offloaded input between its copy-out and its prefetch."""
+    copy_exposed_s: float = 0.0
+    """What the copies add to the step where the ops between their fixed points do not hide
+    them (:func:`remat.executors.sac.offload.exposed_copy_s`)."""
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(m.nbytes for m in self.copies if m.kind == "out")
 
     @property
     def peak_event(self) -> int:
@@ -143,9 +172,9 @@ class StepTrace:
 
     @property
     def added_time_s(self) -> float:
-        """What the plan adds to the step: recomputation and checkpointing's dispatch (what
-        the planner minimises)."""
-        return self.recompute_time_s + self.dispatch_time_s
+        """What the plan adds to the step: recomputation, checkpointing's dispatch and the
+        copies' exposed time (what the planner minimises)."""
+        return self.recompute_time_s + self.dispatch_time_s + self.copy_exposed_s
 
 
 class TraceError(RuntimeError):

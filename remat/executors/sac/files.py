@@ -76,9 +76,11 @@ def solution_from_file(
         regions.FullReplay(policy) if path in replayed and policy is not None else policy
         for path, policy in zip(problem.blocks, policies, strict=True)
     )
+    offloaded = {o.value.removesuffix(":inputs") for o in f.offloads}
+    offload = tuple(path in offloaded for path in problem.blocks)
     return planner.Solution(
         policies,
-        tracer(policies),
+        tracer(policies, True, offload if any(offload) else None),
         f.solver.removeprefix("native:"),  # the file records the plan's name, prefixed
         f"loaded from {path} ({f.reason})",
         f.proof,

@@ -6,7 +6,7 @@ the modules outside them, and, where that recomputes, on the blocks' sub-modules
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from remat._torch_compat import is_fake
-from remat.executors.sac import planner, policies, regions, shallow
+from remat.executors.sac import offloading, planner, policies, regions, shallow
 from remat.executors.sac.files import file_regions, solution_from_file
 from remat.executors.sac.trace import FSDP_PARAM_DTYPES, FakeModel, StepTrace, TraceError
 from remat.measure.autocast import AUTOCAST
@@ -61,6 +61,7 @@ class Traced:
         kwargs: Mapping[str, Any],
         policies: Any,
         schedule: bool = True,
+        offload: Sequence[bool] | None = None,
         **stage: Any,
     ) -> StepTrace:
         """``stage``: a pipeline stage's ``target`` and ``schedule_events``
@@ -72,6 +73,7 @@ class Traced:
             profile=self.profile,
             autocast=self.autocast,
             schedule=schedule,
+            offload=offload,
             **stage,
         )
 
@@ -185,7 +187,9 @@ class _Analyzer:
             )  # fmt: skip
         return (
             problem,
-            lambda policies, schedule=True: traced.trace(args, kwargs, policies, schedule),
+            lambda policies, schedule=True, offload=None: traced.trace(
+                args, kwargs, policies, schedule, offload
+            ),
             uniform,
         )
 
@@ -213,6 +217,10 @@ def plan_step(
     if isinstance(plan, str):
         problem, tracer, _ = on(blocks)
         solution = planner.fixed(problem, plan, tracer)
+        over = step_budget is not None and solution.trace.peak_bytes > step_budget
+        if over and req.host_budget_bytes:  # offload where the plan does not fit without
+            choice = offloading.choice_of(problem, tracer, req.host_budget_bytes)
+            solution = planner.fixed(problem, plan, offloading.offloading_tracer(tracer, choice))
         if step_budget is not None and solution.trace.peak_bytes > step_budget:
             raise BudgetError(step_budget, solution.trace.peak_bytes, f"plan {plan!r}")
         return problem, solution
@@ -252,6 +260,7 @@ def _solve(
             uniform=uniform,
             milp_first=True,
             second_opinions=second,
+            host_budget_bytes=req.host_budget_bytes,
         )
 
     best: tuple[planner.NativeProblem, planner.Solution] | None = None

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from remat.executors.sac.offloading import with_or_without
 from remat.executors.sac.policies import (
     FITTED_PLANS,
     NATIVE_PLANS,
@@ -76,6 +77,7 @@ from remat.measure.profiles import DeviceProfile
 from remat.solver import clock, registry
 from remat.solver.config import BudgetError, SolverConfig
 from remat.solver.executor import executor_of
+from remat.solver.offload import Offload
 from remat.solver.plan import Plan, Proof, fmt_bytes
 from remat.solver.schedule import Schedule
 from remat.solver.simulate import SecondCopyError, Simulation, TimelineStep
@@ -149,6 +151,8 @@ def solve(
     uniform: UniformCosts | None = None,
     milp_first: bool = False,
     second_opinions: bool = True,
+    host_budget_bytes: int = 0,
+    headroom_bytes: int = 0,
 ) -> Solution:
     """The cheapest traced plan whose peak fits ``budget_bytes`` (module docstring).
     ``solver``: ``auto``, or one of remat's solvers, which plan on the step's dataflow for
@@ -169,9 +173,29 @@ def solve(
     sub-modules): the MILP's plan is then returned alone, the chain DP only its fallback.
     Why: on the zoo (six models, three budgets each) the finer pass's second opinions never
     gave a cheaper plan, and they took a sixth to a third of ``auto``'s time (a 7B Llama's
-    per-block family on its sub-modules: 6 of 36 s; hf_llama_gqa's chain DP: 2.6 of 7 s)."""
+    per-block family on its sub-modules: 6 of 36 s; hf_llama_gqa's chain DP: 2.6 of 7 s).
+
+    ``host_budget_bytes``: where the step does not fit as it is, plan again with region
+    inputs offloaded, and return the cheaper (:mod:`remat.executors.sac.offloading`);
+    ``headroom_bytes``: what offload frees at most, which the MILP's budget adds."""
+    progress = config.progress or (lambda _: None)
+    if (
+        host_budget_bytes
+        and budget_bytes is not None
+        and problem.baseline.peak_bytes > budget_bytes
+    ):
+
+        def again(traced_by: Tracer, headroom: int) -> Solution:
+            return solve(problem, traced_by, budget_bytes=budget_bytes, config=config,
+                         solver=solver, uniform=uniform, milp_first=milp_first,
+                         second_opinions=second_opinions, headroom_bytes=headroom)  # fmt: skip
+
+        return with_or_without(problem, tracer, host_budget_bytes, again, progress)
     if solver != "auto":
-        return planned(problem, tracer, solver, budget_bytes=budget_bytes, config=config)
+        return planned(
+            problem, tracer, solver, budget_bytes=budget_bytes, config=config,
+            headroom_bytes=headroom_bytes,
+        )  # fmt: skip
     # Every decision below is the model's and the budget's; the time limit counts work, not
     # seconds (the same request gives the same plan on every rank, under any load).
     if budget_bytes is None:
@@ -185,7 +209,6 @@ def solve(
     t0 = time.perf_counter()
     chain: Solution | BudgetError | None = None
     traced, other = 0, "the chain DP"
-    progress = config.progress or (lambda _: None)
     # Started first: on forked workers where they pay, the copies trace while the MILP solves.
     copies = (
         shallow_copies(problem, uniform, progress) if problem.baseline.schedule is None else None
@@ -193,7 +216,7 @@ def solve(
     try:
         if not milp_first:
             chain, traced = chain_solution(problem, tracer, budget_bytes, config, copies)
-        milp = _milp(problem, tracer, budget_bytes, config)
+        milp = _milp(problem, tracer, budget_bytes, config, headroom_bytes)
         if milp_first:
             n_opts = menus_of(problem)[2]
             work = n_opts * len(problem.baseline.events)
@@ -219,14 +242,21 @@ def solve(
 
 
 def _milp(
-    problem: NativeProblem, tracer: Tracer, budget_bytes: int, config: SolverConfig
+    problem: NativeProblem,
+    tracer: Tracer,
+    budget_bytes: int,
+    config: SolverConfig,
+    headroom_bytes: int = 0,
 ) -> Solution | None:
     """The exact MILP's traced plan (its time limit the request's, whatever ran before), or
     None (none fits, or a dataflow beyond its model)."""
     progress = config.progress or (lambda _: None)
     progress("native: the exact MILP on the step's dataflow (sac executor)")
     try:
-        return planned(problem, tracer, "exact", budget_bytes=budget_bytes, config=config)
+        return planned(
+            problem, tracer, "exact", budget_bytes=budget_bytes, config=config,
+            headroom_bytes=headroom_bytes,
+        )  # fmt: skip
     except BudgetError:
         return None
     except SecondCopyError as e:
@@ -276,6 +306,7 @@ def planned(
     *,
     budget_bytes: int | None,
     config: SolverConfig,
+    headroom_bytes: int = 0,
 ) -> Solution:
     """``solver``'s plan for the step's dataflow under the ``sac`` executor, traced; while
     the trace is over the budget (the dataflow's simulation is an approximation of the
@@ -285,7 +316,9 @@ def planned(
     the peak, so the excess is divided by it. Where no round fits, the solver's least-peak
     plan is traced: returned if it fits, else :class:`BudgetError` states its traced peak (a
     budget this function then meets); a solver never returns another's plan under its name.
-    The names of :data:`NATIVE_PLANS` are those plans (``keep_all`` keeps all or fails)."""
+    The names of :data:`NATIVE_PLANS` are those plans (``keep_all`` keeps all or fails).
+    ``headroom_bytes``: solved first for the budget plus that much (what the tracer's
+    offload frees, which the dataflow does not model; the traces decide)."""
     if solver in NATIVE_PLANS:
         chosen = fixed(problem, solver, tracer)
         if budget_bytes is not None and chosen.trace.peak_bytes > budget_bytes:
@@ -295,7 +328,7 @@ def planned(
         return chosen
     sac = problem.dataflow
     candidates = executor_of(sac).candidates(sac)
-    target = budget_bytes
+    target = None if budget_bytes is None else budget_bytes + headroom_bytes
     schedule = problem.baseline.schedule
     copies = in_flight_at_peak(schedule) if schedule is not None else 1
     peaks: list[int] = []
@@ -386,13 +419,23 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
         forward_time_s=sum(trace.events[k].time_s for k in fwd),
         backward_time_s=sum(trace.events[k].time_s for k in bwd),
         dispatch_time_s=trace.dispatch_time_s,
+        offloaded_bytes=trace.offloaded_bytes,
+        host_peak_bytes=trace.host_peak_bytes,
+        copy_exposed_s=trace.copy_exposed_s,
     )
+    offloads = _offloads(trace, names)
+    for o in offloads:
+        decisions[o.value] = (
+            f"offloaded: in host memory from the forward's end, the device copy let go after "
+            f"{o.wait}, back before {o.prefetch}"
+        )
     schedule = Schedule(
         forward=tuple(names[k] for k in fwd),
         saved=tuple(saved),
         external_reads=(),
         backward=tuple(names[k] for k in bwd),
         recomputed=tuple(n for n, e in zip(names, trace.events, strict=True) if e.recompute),
+        offloaded=offloads,
     )
     return Plan(
         saved=frozenset(saved),
@@ -402,6 +445,23 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
         decisions=decisions,
         schedule=schedule,
         simulation=simulation,
+    )
+
+
+def _offloads(trace: StepTrace, names: Sequence[str]) -> tuple[Offload, ...]:
+    """Each offloaded region input (``path:inputs``) and the ops its copies are tied to:
+    ``wait``, the op after which its device copy is let go (the next region's forward's
+    last); ``prefetch``, the backward op its copy back precedes."""
+    marks = {(m.copy, m.kind): m for m in trace.copies}
+    last = len(names) - 1
+    return tuple(
+        Offload(
+            f"{m.region}:inputs",
+            wait=names[min(max(marks[(m.copy, "release")].event - 1, 0), last)],
+            prefetch=names[min(marks[(m.copy, "prefetch")].event, last)],
+        )
+        for m in trace.copies
+        if m.kind == "out"
     )
 
 

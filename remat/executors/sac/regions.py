@@ -21,7 +21,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from torch.utils.checkpoint import (
 
 from remat import _torch_compat as tc
 from remat.solver.blocks import matches
+
+if TYPE_CHECKING:
+    from remat.executors.sac.offload import Held, Offloads
 
 OpKey = tuple[str, int]
 """``(ATen overload name, call index within the region's forward)``."""
@@ -186,6 +189,11 @@ class Region:
     """Its parameters were DTensors when it was planned (the model was parallelized first)."""
     checked: bool = False
     """Its first forward found the parameters as they were planned."""
+    offloads: Offloads | None = None
+    """The model's offload state, where its plan offloads (every region of the model shares
+    it: each region's forward end releases and links the copies before it)."""
+    offload: bool = False
+    """This region's activation inputs wait in host memory (:mod:`remat.executors.sac.offload`)."""
 
 
 _ATTR = "_remat_region"
@@ -196,8 +204,18 @@ def region_of(module: nn.Module) -> Region | None:
     return region if isinstance(region, Region) else None
 
 
-def wrap(module: nn.Module, path: str, policy: Policy) -> Region:
-    """Route ``module``'s forward through a checkpoint with ``policy`` (see the module doc)."""
+def wrap(
+    module: nn.Module,
+    path: str,
+    policy: Policy,
+    offloads: Offloads | None = None,
+    offload: bool = False,
+) -> Region:
+    """Route ``module``'s forward through a checkpoint with ``policy`` (see the module doc);
+    ``offload``: its activation inputs wait in ``offloads``' host store (a checkpointed
+    region only)."""
+    if offload and (policy is None or offloads is None):
+        raise BlockError(f"{path}: only a checkpointed region offloads its inputs")
     if region_of(module) is not None:
         raise BlockError(f"{path} is already a remat region")
     if "forward" in module.__dict__:
@@ -205,7 +223,7 @@ def wrap(module: nn.Module, path: str, policy: Policy) -> Region:
             f"{path} ({type(module).__name__}) already has an instance forward (another wrapper "
             "patched it); remat wraps the module's own forward: apply remat first"
         )
-    region = Region(path, policy, tensor_parallel=_tensor_parallel(module))
+    region = Region(path, policy, _tensor_parallel(module), offloads=offloads, offload=offload)
     module.__dict__[_ATTR] = region
     module.forward = functools.partial(_region_forward, region, module)  # type: ignore[method-assign]
     return region
@@ -234,17 +252,37 @@ def _region_forward(region: Region, module: nn.Module, *args: Any, **kwargs: Any
             )
         region.checked = True
     policy = region.policy
+    offloads = region.offloads
+    if offloads is not None and torch.compiler.is_compiling():
+        raise BlockError(
+            f"{region.path}: a plan that offloads runs eagerly (its copies are Python code "
+            "between ops): train without torch.compile, or plan without a host budget"
+        )
     if policy is None:
-        return type(module).forward(module, *args, **kwargs)
+        out = type(module).forward(module, *args, **kwargs)
+        if offloads is not None:
+            offloads.after_forward(None, out)
+        return out
+    run: Callable[..., Any] = functools.partial(_run, region, module)
+    held = (
+        offloads.held(region.path, args, kwargs)
+        if offloads is not None and region.offload
+        else None
+    )
+    if held is not None:  # the checkpoint holds no input: the region reads them from held
+        run, args, kwargs = functools.partial(_run_held, region, module, held), (), {}
     with _cast_cache_off():
-        return checkpoint(
-            functools.partial(_run, region, module),
+        out = checkpoint(
+            run,
             *args,
             use_reentrant=False,
             context_fn=functools.partial(policy_contexts, policy),
             early_stop=not isinstance(policy, FullReplay),
             **kwargs,
         )
+    if offloads is not None:
+        offloads.after_forward(held, out)
+    return out
 
 
 @contextlib.contextmanager
@@ -298,6 +336,11 @@ def _run(region: Region, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if recompute:
             stack.enter_context(running_stats_frozen(module))
         return type(module).forward(module, *args, **kwargs)
+
+
+def _run_held(region: Region, module: nn.Module, held: Held) -> Any:
+    args, kwargs = held.inputs()
+    return _run(region, module, *args, **kwargs)
 
 
 def _in_backward() -> bool:

@@ -62,9 +62,15 @@ class Solution:
 class Tracer(Protocol):
     """The step traced under one policy per block
     (:meth:`remat.executors.sac.trace.FakeModel.trace`);
-    ``schedule=False`` skips a pipeline stage's schedule step (one microbatch's step only)."""
+    ``schedule=False`` skips a pipeline stage's schedule step (one microbatch's step only);
+    ``offload[k]``: block ``k``'s activation inputs wait in host memory."""
 
-    def __call__(self, policies: Sequence[Policy], schedule: bool = True) -> StepTrace: ...
+    def __call__(
+        self,
+        policies: Sequence[Policy],
+        schedule: bool = True,
+        offload: Sequence[bool] | None = None,
+    ) -> StepTrace: ...
 
 
 def cost_of(solution: Solution | StepTrace | None) -> tuple[float, float]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from remat.executors.sac.offload import Offloads
 from remat.executors.sac.regions import Policy
 from remat.parallel.pipelining import ScheduleTrace
 from remat.solver.plan import Plan
@@ -51,6 +52,9 @@ class Applied:
     with every block eager."""
     eager_schedule: ScheduleTrace | None = None
     """For a pipeline stage, its traced ``schedule.step()`` with every block eager."""
+    offloads: Offloads | None = None
+    """Where the plan offloads region inputs: their host store (its ``peak_bytes`` is the
+    host memory the steps took, which the plan's ``predicted_host_peak_bytes`` predicts)."""
 
 
 def applied(model: nn.Module) -> Applied:

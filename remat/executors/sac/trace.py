@@ -28,9 +28,11 @@ import torch
 from torch import nn
 
 from remat import _torch_compat as tc
+from remat.executors.host_store import HostStore
 from remat.executors.sac import regions
-from remat.executors.sac.events import OpEvent, StepTrace, TraceError
+from remat.executors.sac.events import CopyMark, OpEvent, StepTrace, TraceError
 from remat.executors.sac.hf import real_packing_check
+from remat.executors.sac.offload import CountingStore, Offloads, exposed_copy_s
 from remat.executors.sac.recorder import (
     Recorder,
     explain_failure,
@@ -259,6 +261,7 @@ class FakeModel:
         schedule: bool = True,
         target: Any = None,
         schedule_events: bool = False,
+        offload: Sequence[bool] | None = None,
     ) -> StepTrace:
         """Run one training step (as :func:`remat.measure.meter.training_step`) with ``policies[k]``
         on block ``k`` and record it; on a pipeline stage, then one ``schedule.step()``,
@@ -266,7 +269,9 @@ class FakeModel:
         whose per-block quantities are the same at a tenth of the cost (8 microbatches).
         ``target``: the last stage's microbatch target at these inputs' shape, or the loss's
         (default: the one given at construction). ``schedule_events``: keep the schedule step's events
-        (:attr:`ScheduleTrace.events`, for fitting its peak over shapes; large at scale)."""
+        (:attr:`ScheduleTrace.events`, for fitting its peak over shapes; large at scale).
+        ``offload[k]``: block ``k``'s activation inputs wait in host memory
+        (:mod:`remat.executors.sac.offload`; a host store that counts bytes on FakeTensors)."""
         where = where_measured_on(self.source_device, profile.name)
         recorder = self._new_recorder(profile)
         for p in self.module.parameters():
@@ -279,8 +284,14 @@ class FakeModel:
             fake_args = self._stage_inputs(fake_args, fake_kwargs, autocast)
         if not self._warm and (self._sharded or (self.world is not None and self.pipeline is None)):
             self._warm_up(fake_args, fake_kwargs, autocast, policy_of(profile.name), loss)
+        offloads = self._offloads(offload, profile)
+        marks: list[CopyMark] = []
+        if offloads is not None:
+            offloads.observer = lambda kind, held: marks.append(
+                CopyMark(kind, held.number, held.path, held.nbytes, len(recorder.rows))
+            )
         with contextlib.ExitStack() as stack:
-            self._recording(stack, recorder, policies, kwargs)
+            self._recording(stack, recorder, policies, kwargs, offloads, offload)
 
             def backward_starts(outputs: Sequence[torch.Tensor]) -> None:
                 recorder.phase, recorder.block = "backward", -1
@@ -317,6 +328,8 @@ class FakeModel:
             unseen_peak_bytes=recorder.unseen_peak,
             dispatch_s=recorder.dispatch_s(events),
         )
+        if offloads is not None:
+            step = _with_copies(step, marks, offloads, profile)
         if self.pipeline is None or not schedule:
             return step
         if target is not None:
@@ -358,12 +371,14 @@ class FakeModel:
         recorder: Recorder,
         policies: Sequence[Policy],
         kwargs: Mapping[str, Any],
+        offloads: Offloads | None = None,
+        offload: Sequence[bool] | None = None,
     ) -> None:
         """Enter, on ``stack``, what a recorded step runs under: ``policies[k]`` on block
-        ``k``, the labels and observers that tell the recorder where each op runs, the fake
+        ``k`` (offloading its inputs into ``offloads`` where ``offload[k]``), the labels and observers that tell the recorder where each op runs, the fake
         world, the FakeTensor mode and the recorder, and a forked random stream."""
         for k, (m, policy) in enumerate(zip(self._blocks, policies, strict=True)):
-            regions.wrap(m, self.blocks[k], policy)
+            regions.wrap(m, self.blocks[k], policy, offloads, bool(offload and offload[k]))
             stack.callback(regions.unwrap, m)
             stack.enter_context(label_blocks(m, k, self.blocks[k], recorder))
         regions._observers.append(recorder.region)
@@ -387,6 +402,22 @@ class FakeModel:
         if recorder.host:  # CPU RNG states are host memory: device memory only on the CPU
             # After fork_rng, whose own saved state the real step does not have.
             stack.enter_context(tc.rng_states_saved(recorder.made_outside))
+
+    def _offloads(self, offload: Sequence[bool] | None, profile: DeviceProfile) -> Offloads | None:
+        """The offload state of a traced step that offloads (None otherwise): a store that
+        counts bytes on FakeTensors, a real one on a real copy (whose values must stay
+        exact: they may decide shapes)."""
+        if offload is None or not any(offload):
+            return None
+        if len(offload) != len(self.blocks):
+            raise ValueError(
+                f"offload: one flag per region ({len(self.blocks)}), not {len(offload)}"
+            )
+        if self.pipeline is not None:
+            raise TraceError("a pipeline stage offloads nothing yet: plan it without a host budget")
+        if profile.link is None:
+            raise TraceError(f"profile {profile.name} has no copy link to host memory: no offload")
+        return Offloads(HostStore() if self.real else CountingStore())
 
     def _stepped(self) -> nn.Module:
         """What one step runs: the model, or a rank's stages each on its own input."""
@@ -562,3 +593,19 @@ class _EachOnItsInput(nn.Module):
 
 def _no_loss(output: Any, target: Any) -> Any:
     raise AssertionError("only the last stage computes the loss")
+
+
+def _with_copies(
+    step: StepTrace, marks: list[CopyMark], offloads: Offloads, profile: DeviceProfile
+) -> StepTrace:
+    """``step`` with its copies' fixed points, the host store's peak and the copies' exposed
+    time on the profile's link."""
+    assert profile.link is not None
+    index = {path: k for k, path in enumerate(step.blocks)}
+    return replace(
+        step,
+        copies=tuple(marks),
+        offloaded=tuple(sorted({index[m.region] for m in marks if m.kind == "out"})),
+        host_peak_bytes=offloads.store.peak_bytes,
+        copy_exposed_s=exposed_copy_s(marks, [e.time_s for e in step.events], profile.link),
+    )
