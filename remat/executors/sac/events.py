@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from remat.executors.sac.offload import CopyMark
 from remat.executors.sac.regions import OpKey
 from remat.parallel.pipelining import ScheduleTrace
 
@@ -59,20 +60,6 @@ class OpEvent:
     """Bytes it reads and writes (0 for a view, which launches no kernel): with ``flops``
     and ``dtype``, what the roofline times (:meth:`remat.measure.profiles.DeviceProfile.op_time`)."""
     dtype: str = "float32"
-
-
-@dataclass(frozen=True)
-class CopyMark:
-    """An offloaded input's fixed point in a traced step (:mod:`remat.executors.sac.offload`):
-    ``kind`` is ``out`` (its copy-out starts), ``release`` (its device copy is let go),
-    ``prefetch`` (its copy back starts) or ``use`` (the region's replay takes it); ``event``:
-    how many ops of the step had run by then."""
-
-    kind: str
-    copy: int
-    region: str
-    nbytes: int
-    event: int
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,10 +38,23 @@ import torch
 
 from remat import _torch_compat as tc
 from remat.executors.host_store import HostStore, Stored
-from remat.executors.sac.events import CopyMark
 from remat.problem import Link
 
 __all__ = ["CopyMark", "CountingStore", "Held", "Offloads", "exposed_copy_s"]
+
+
+@dataclass(frozen=True)
+class CopyMark:
+    """An offloaded input's fixed point in a traced step (:mod:`remat.executors.sac.offload`):
+    ``kind`` is ``out`` (its copy-out starts), ``release`` (its device copy is let go),
+    ``prefetch`` (its copy back starts) or ``use`` (the region's replay takes it); ``event``:
+    how many ops of the step had run by then."""
+
+    kind: str
+    copy: int
+    region: str
+    nbytes: int
+    event: int
 
 
 class CountingStore(HostStore):

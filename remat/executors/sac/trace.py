@@ -30,9 +30,9 @@ from torch import nn
 from remat import _torch_compat as tc
 from remat.executors.host_store import HostStore
 from remat.executors.sac import regions
-from remat.executors.sac.events import CopyMark, OpEvent, StepTrace, TraceError
+from remat.executors.sac.events import OpEvent, StepTrace, TraceError
 from remat.executors.sac.hf import real_packing_check
-from remat.executors.sac.offload import CountingStore, Offloads, exposed_copy_s
+from remat.executors.sac.offload import CopyMark, CountingStore, Offloads, exposed_copy_s
 from remat.executors.sac.recorder import (
     Recorder,
     explain_failure,

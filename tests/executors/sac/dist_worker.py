@@ -18,11 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
+from remat.executors.sac.state import applied
 from remat.measure.meter import measure_step
 from remat.models import TinyGPT
 from tests.executors.sac import gloo_settle
 
 STEPS = 3
+HOST = 1 << 30
+"""The host budget of ``fsdp2-offload`` (FSDP2 whose plan may offload block inputs)."""
 
 
 def build() -> tuple[nn.Module, torch.Tensor]:
@@ -91,10 +94,16 @@ def _run(rank: int, world: int, engine: str, budget: int) -> dict[str, Any]:
         fsdp = {"zero_stage": 3, "world_size": world}
     if engine == "fsdp2-bf16":
         fsdp["precision"] = "bf16-fsdp"
+    if engine == "fsdp2-offload":
+        fsdp["host_budget_bytes"] = HOST
     remat.apply(work, tokens, activation_budget_bytes=budget, **fsdp)
     plan = remat.plan_of(work)
     ours = _train(_wrap(work, engine), tokens, rank)
+    offloads = applied(work).offloads
     return {
+        "offloaded_bytes": plan.offloaded_bytes,
+        "host_predicted": plan.predicted_host_peak_bytes,
+        "host_measured": offloads.store.peak_bytes if offloads is not None else 0,
         "plain": plain,
         "remat": ours,
         "predicted": plan.predicted_peak_bytes,

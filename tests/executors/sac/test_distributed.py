@@ -5,7 +5,9 @@ random stream) bitwise equal to the same run without remat, and the steady step'
 peak lower, and equal to remat's prediction: for DDP the single-device step's, for FSDP2
 (``zero_stage=3, world_size=2``) the step traced under ``fully_shard`` on a fake process group;
 ``fsdp2-bf16`` is FSDP2 with its own mixed precision (``precision="bf16-fsdp"``: bf16 gathered
-parameters, fp32 reduce-scatter), traced under the same ``MixedPrecisionPolicy``. The
+parameters, fp32 reduce-scatter), traced under the same ``MixedPrecisionPolicy``;
+``fsdp2-offload`` is FSDP2 with a host budget, whose plan offloads block inputs (each rank's
+host store's peak is the predicted one). The
 allocator's peak, also lower, is the predicted one, or above it by at most two buffers that
 gloo's worker thread let go of late (:func:`tests.checks.gloo_held`; the ranks wait for it,
 :func:`tests.executors.sac.gloo_settle.settle_work_waits`, which makes that rare).
@@ -33,14 +35,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-ENGINES = ("ddp", "fsdp2", "fsdp2-bf16")
+ENGINES = ("ddp", "fsdp2", "fsdp2-bf16", "fsdp2-offload")
 
 
 def _budgets() -> dict[str, int]:
     """Per engine, half-way between the model's least native peak and its eager peak, one
     device (DDP and FSDP2 alike: their budget is the single-device step's); under FSDP2's
     bf16 mixed precision (activations half as large) the same between the peaks traced for
-    one rank of that step."""
+    one rank of that step; with a host budget, a tenth of the way between those of FSDP2's
+    fp32 step."""
     import copy
 
     import remat
@@ -48,10 +51,12 @@ def _budgets() -> dict[str, int]:
 
     model, tokens = dist_worker.build()
     out = {}
-    for engine in ("fsdp2", "fsdp2-bf16"):
-        options = {}
-        if engine == "fsdp2-bf16":
-            options = {"precision": "bf16-fsdp", "zero_stage": 3, "world_size": WORLD}
+    for engine in ("fsdp2", "fsdp2-bf16", "fsdp2-offload"):
+        options: dict[str, Any] = {}
+        if engine != "fsdp2":
+            options = {"zero_stage": 3, "world_size": WORLD}
+            if engine == "fsdp2-bf16":
+                options["precision"] = "bf16-fsdp"
             eager = remat.plan_of(
                 remat.apply(copy.deepcopy(model), tokens, plan="keep_all", **options)  # type: ignore[arg-type]
             ).predicted_peak_bytes
@@ -59,7 +64,9 @@ def _budgets() -> dict[str, int]:
             eager = measure_step(copy.deepcopy(model), (tokens,)).peak_bytes
         with pytest.raises(remat.BudgetError) as info:
             remat.apply(copy.deepcopy(model), tokens, activation_budget_bytes=1, **options)  # type: ignore[arg-type]
-        out[engine] = (info.value.least_peak_bytes + eager) // 2
+        least = info.value.least_peak_bytes
+        # fsdp2-offload: a tenth of the way up, where the plan offloads block inputs.
+        out[engine] = least + (eager - least) // (10 if engine == "fsdp2-offload" else 2)
     return {"ddp": out["fsdp2"], **out}
 
 
@@ -114,6 +121,9 @@ def test_bitwise_and_lower_peak_per_rank(tmp_path: Path, monkeypatch) -> None:  
             assert ours["peak"] == got["predicted_tensors"], (where, ours["peak"])
             held = gloo_held(got["predicted"], ours["allocator"], buffers)
             assert held, (f"{where}, allocator", got["predicted"], ours["allocator"])
+            if engine == "fsdp2-offload":  # every rank's host store holds what rank 0 planned
+                assert got["offloaded_bytes"] > 0, (where, got["reason"])
+                assert got["host_measured"] == got["host_predicted"] > 0, where
 
 
 @pytest.mark.slow

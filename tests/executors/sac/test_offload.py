@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import remat
-from remat.executors.sac.events import CopyMark
-from remat.executors.sac.offload import exposed_copy_s
+from remat.executors.sac.offload import CopyMark, exposed_copy_s
 from remat.executors.sac.offloading import OffloadChoice
 from remat.executors.sac.state import applied
 from remat.measure.profiles import CPU
