@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -246,3 +247,24 @@ def test_a_factory_with_its_loss_is_planned_on_either_executor(
     out = capsys.readouterr().out
     assert code == 0, out
     assert "executor: remat's" in out and "with its loss (loss_fn)" in out
+
+
+def test_plan_json_of_the_sac_executor_with_a_host_budget(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``remat plan --executor sac --host-budget-gb --json`` on a small Llama 3 on an H100's
+    profile: the plan offloads block inputs, because that adds less time than the best plan
+    without offload (which the reason states, solved in the same run)."""
+    small = ["--set", "num_hidden_layers=4", "--set", "hidden_size=256", "--set",
+             "intermediate_size=512", "--set", "num_attention_heads=4", "--set",
+             "num_key_value_heads=2", "--set", "vocab_size=1000"]  # fmt: skip
+    args = ["plan", "llama3-8b", *small, "--executor", "sac", "--seq", "1024", "--batch", "2",
+            "--device", "h100", "--budget-gb", "0.12", "--host-budget-gb", "1", "--json"]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["offloaded_bytes"] > 0 and doc["offloaded"]
+    assert 0 < doc["predicted_host_peak_bytes"] <= 10**9
+    found = re.search(r"([\d.]+) ms added against ([\d.]+) ms without offload", doc["reason"])
+    assert found is not None, doc["reason"]
+    assert float(found[1]) < float(found[2])
+    assert doc["step_time_s"] > 0 and doc["copy_exposed_s"] >= 0
