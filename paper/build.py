@@ -503,6 +503,27 @@ def titan_table() -> str:
     return _table(header, out)
 
 
+def offload_table() -> str:
+    """remat.apply's plans without and with a host budget at scale (experiments/offload.py)."""
+    out = [
+        [
+            _fmt(_num(r["budget_gb"]), 0),
+            _fmt(_num(r["host_gb"]), 0),
+            r["error"][:60] or _fmt(_num(r["step_ms"]), 1),
+            _fmt(_num(r["recompute_ms"]), 1),
+            _fmt(_num(r["copy_exposed_ms"]), 2),
+            _fmt(_num(r["offloaded_gb"]), 2),
+            _fmt(_num(r["host_peak_gb"]), 2),
+            _fmt(_num(r["step_peak_gb"])),
+            r["wall_s"],
+        ]
+        for r in _read("offload.csv")
+    ]
+    header = ["budget GB", "host GB", "step ms", "recompute ms", "copies exposed ms",
+              "offloaded GB", "host peak GB", "step peak GB", "planning s"]  # fmt: skip
+    return _table(header, out)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "compare": compare_table,
     "predicted": predicted_table,
@@ -520,6 +541,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "regions": regions_table,
     "parallel": parallel_table,
     "titan": titan_table,
+    "offload": offload_table,
 }
 MARK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -208,6 +208,9 @@ def _apply(
             "(DeviceProfile.link), which offload's timing needs: give it one, or plan "
             "without a host budget"
         )
+    where = device_of(model)
+    if req.host_budget_bytes and where is not None and where.type != "cpu":
+        raise ValueError(_OFFLOAD_ON_CPU_ONLY.format(where.type))
     options = req.training
 
     t0 = time.perf_counter()
@@ -274,6 +277,13 @@ def _apply(
     return model
 
 
+_OFFLOAD_ON_CPU_ONLY = (
+    "host_budget: offload runs on a CPU device so far, not {} (copies on side streams and a "
+    "pinned pool are not built yet); plan for it on FakeTensors (remat plan), or without a "
+    "host budget"
+)
+
+
 def _wrap(
     model: nn.Module,
     problem: planner.NativeProblem,
@@ -284,14 +294,10 @@ def _wrap(
     (None without offload), which runs on a CPU device so far."""
     modules = dict(model.named_modules())
     offloaded = solution.trace.offloaded
-    where = device_of(model)
+    where = device_of(model)  # a plan file's offload, which no host budget asked for
     if offloaded and where is not None and where.type != "cpu":
         restore_kv_cache(model, use_cache)
-        raise ValueError(
-            f"the plan offloads {len(offloaded)} regions' inputs, and offload runs on a CPU "
-            f"device so far, not {where.type} (copies on side streams and a pinned pool are "
-            "not built yet): plan without a host budget"
-        )
+        raise ValueError(_OFFLOAD_ON_CPU_ONLY.format(where.type))
     offloads = Offloads(HostStore()) if offloaded else None
     for k, (path, policy) in enumerate(zip(problem.blocks, solution.policies, strict=True)):
         regions.wrap(modules[path], path, policy, offloads, k in offloaded)
