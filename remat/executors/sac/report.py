@@ -11,6 +11,7 @@ from rich.table import Table
 from remat.executors.sac.state import Applied
 from remat.parallel.pipelining import ScheduleTrace
 from remat.plan.memory_table import memory_table
+from remat.solver.plan import Plan
 
 
 def explain_applied(state: Applied, *, width: int = 120) -> str:
@@ -26,13 +27,16 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
     console.print(memory)
 
     blocks = Table(title="plan by region", title_justify="left")
-    for col in ("region", "option", "keeps", "added ms"):
+    offloaded = {o.removesuffix(":inputs") for o in plan.offloaded}
+    columns = ("region", "option", "keeps", *(("inputs",) if offloaded else ()), "added ms")
+    for col in columns:
         blocks.add_column(col, justify="right" if col == "added ms" else "left")
     options = state.options or ("",) * len(state.blocks)
     times = state.block_recompute_s or (0.0,) * len(state.blocks)
     for path, policy, option, t in zip(state.blocks, state.policies, options, times, strict=True):
         keeps = "everything autograd saves" if policy is None else f"{len(policy)} op outputs"
-        blocks.add_row(path, option, keeps, f"{t * 1e3:.3f}")
+        where = ("host" if path in offloaded else "device",) if offloaded else ()
+        blocks.add_row(path, option, keeps, *where, f"{t * 1e3:.3f}")
     console.print(blocks)
     if state.schedule is not None:
         console.print(_schedule_table(state.schedule))
@@ -43,11 +47,23 @@ def explain_applied(state: Applied, *, width: int = 120) -> str:
         f"{len(plan.recomputed)} ops recomputed ({sim.recompute_flops / 1e9:,.2f} GFLOP of "
         f"matmuls and attention, {share:.2%} of the estimated step time); selective "
         f"checkpointing's own dispatch {dispatch:.2%} (added ms: both, per region); outside "
-        f"the regions: eager. {plan.reason}"
+        f"the regions: eager.{_copies(plan)} {plan.reason}"
     )
     if plan.step:
         console.print(f"The peak covers {plan.step}.")
     return buf.getvalue()
+
+
+def _copies(plan: Plan) -> str:
+    """The offloaded inputs' line (empty without offload)."""
+    if not plan.offloaded:
+        return ""
+    sim = plan.simulation
+    return (
+        f" {len(plan.offloaded)} regions' inputs wait in host memory between their forward and "
+        f"their backward ({sim.offloaded_bytes:,} B, host peak {sim.host_peak_bytes:,} B; "
+        f"{sim.copy_exposed_s * 1e3:.3f} ms of copies not hidden, in the step time)."
+    )
 
 
 def _schedule_table(schedule: ScheduleTrace) -> Table:

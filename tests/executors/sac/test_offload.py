@@ -65,6 +65,8 @@ def test_a_host_budget_offloads_trains_bitwise_and_measures_as_predicted(
     assert 0 < plan.predicted_host_peak_bytes <= HOST
     assert plan.simulation.copy_exposed_s > 0  # a CPU device's copies are synchronous
     assert "saves no real memory" in plan.reason
+    text = " ".join(remat.explain(planned).split())  # rich wraps the lines
+    assert f"{len(plan.offloaded)} regions' inputs wait in host memory" in text
     # Bitwise over 3 AdamW steps with dropout; device peak == predicted at the allocator
     # (the plan, from its file: applied, not solved again).
     path = remat.save_plan(planned, tmp_path / "plan.json")
