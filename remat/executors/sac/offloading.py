@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from remat.executors.sac.policies import fixed_policies
 from remat.executors.sac.regions import Policy
-from remat.executors.sac.solution import NativeProblem, Solution, Tracer, cost_of
+from remat.executors.sac.solution import NativeProblem, Solution, Tracer, added_ms, cost_of
 from remat.executors.sac.trace import StepTrace
 from remat.solver.config import BudgetError
 from remat.solver.plan import fmt_bytes
@@ -117,14 +117,13 @@ def with_or_without(
         return _because(offloaded, "nothing fits without offload")
     if not offloaded.trace.offloaded or cost_of(offloaded) >= cost_of(plain):
         return _because(
-            plain, f"offload was not cheaper ({_ms(offloaded)} against {_ms(plain)} added)"
+            plain,
+            f"offload was not cheaper ({added_ms(offloaded)} against {added_ms(plain)} added)",
         )
-    return _because(offloaded, f"{_ms(offloaded)} added against {_ms(plain)} without offload")
+    return _because(
+        offloaded, f"{added_ms(offloaded)} added against {added_ms(plain)} without offload"
+    )
 
 
 def _because(solution: Solution, why: str) -> Solution:
     return dataclasses.replace(solution, reason=f"{solution.reason}; {why}")
-
-
-def _ms(solution: Solution) -> str:
-    return f"{solution.trace.added_time_s * 1e3:.3f} ms"

@@ -61,7 +61,14 @@ from remat.executors.sac.policies import (
 )
 from remat.executors.sac.regions import Policy
 from remat.executors.sac.shallow import UniformCosts
-from remat.executors.sac.solution import NativeProblem, Option, Solution, Tracer, cost_of
+from remat.executors.sac.solution import (
+    NativeProblem,
+    Option,
+    Solution,
+    Tracer,
+    added_ms,
+    cost_of,
+)
 from remat.executors.sac.trace import FakeModel, OpEvent, StepTrace
 from remat.executors.sac.traced_chain import (
     DP_ROUNDS,
@@ -285,18 +292,16 @@ def _cheaper(
         return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {none}; {took}")
     if milp is None or cost_of(milp) >= cost_of(chain):
         also = (
-            f"; the exact MILP's plan was not cheaper ({_ms(milp)} against {_ms(chain)} of "
+            f"; the exact MILP's plan was not cheaper ({added_ms(milp)} against {added_ms(chain)} of "
             "recompute)"
             if milp is not None
             else ""
         )
         return dataclasses.replace(chain, reason=f"{chain.reason}{also}; {took}")
-    why = f"{_ms(milp)} of recompute against {other}'s best, {_ms(chain)} ({traced} traced)"
+    why = (
+        f"{added_ms(milp)} of recompute against {other}'s best, {added_ms(chain)} ({traced} traced)"
+    )
     return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {why}; {took}")
-
-
-def _ms(solution: Solution) -> str:
-    return f"{solution.trace.added_time_s * 1e3:.3f} ms"
 
 
 def planned(

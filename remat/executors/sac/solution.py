@@ -80,3 +80,8 @@ def cost_of(solution: Solution | StepTrace | None) -> tuple[float, float]:
         return math.inf, math.inf
     trace = solution.trace if isinstance(solution, Solution) else solution
     return trace.added_time_s, trace.peak_bytes
+
+
+def added_ms(solution: Solution) -> str:
+    """The time a plan adds to the step, for reasons."""
+    return f"{solution.trace.added_time_s * 1e3:.3f} ms"
