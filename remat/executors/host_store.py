@@ -31,6 +31,18 @@ class Stored:
     stride: tuple[int, ...]
     device: torch.device
 
+    @classmethod
+    def of(cls, value: torch.Tensor, data: np.ndarray) -> Stored:
+        """``value``'s storage as ``data``, with its view of it (dtype, offset, layout)."""
+        return cls(
+            data,
+            value.dtype,
+            int(value.storage_offset()),
+            tuple(value.shape),
+            tuple(value.stride()),
+            value.device,
+        )
+
 
 _STORES: weakref.WeakValueDictionary[int, HostStore] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
@@ -59,14 +71,7 @@ class HostStore:
         data = raw.numpy().copy()  # numpy's memory, outside PyTorch's allocator
         self.live_bytes += data.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return Stored(
-            data,
-            value.dtype,
-            int(value.storage_offset()),
-            tuple(value.shape),
-            tuple(value.stride()),
-            value.device,
-        )
+        return Stored.of(value, data)
 
     def wait(self, stored: Stored, value: torch.Tensor) -> None:
         """The copy-out's wait: inline on a CPU device, so done; it reads ``value`` so that

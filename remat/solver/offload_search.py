@@ -16,7 +16,7 @@ but the choice is not proven optimal (:attr:`Proof.HEURISTIC`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from remat.problem import Problem
 from remat.solver import offload
@@ -42,40 +42,51 @@ def offloadable(
     read = {i for n in schedule.backward for i in by[n].inputs}
     out = [n for n in schedule.saved if n in read and offload.unfit(n, holders, owners) is None]
     if copy_ops is not None:
-        out = [n for n in out if n in copy_ops and _placeable(problem, schedule, n, copy_ops)]
+        at = placing(problem, schedule, copy_ops)
+        out = [n for n in out if n in copy_ops and _placeable(at, n)]
     return sorted(out, key=lambda n: (-problem.storages_bytes(by[n].storages), problem.index[n]))
 
 
-def _placeable(problem: Problem, schedule: Schedule, value: str, copy_ops: Collection[str]) -> bool:
+Placing = Callable[[Sequence[str]], tuple[offload.Offload, ...]]
+"""Values -> their points on one schedule (:func:`placing`)."""
+
+
+def _placeable(at: Placing, value: str) -> bool:
     try:
-        points(problem, schedule, [value], copy_ops)
+        at([value])
     except offload.OffloadError:
         return False
     return True
 
 
-def points(
-    problem: Problem,
-    schedule: Schedule,
-    values: list[str],
-    copy_ops: Collection[str] | None = None,
-) -> tuple[offload.Offload, ...]:
-    """:func:`remat.solver.offload.place` on ``schedule`` for ``values``, at ``copy_ops``
-    (the ops the executor runs; None: all)."""
+def placing(
+    problem: Problem, schedule: Schedule, copy_ops: Collection[str] | None = None
+) -> Placing:
+    """:func:`remat.solver.offload.place` on ``schedule`` at ``copy_ops`` (the ops the
+    executor runs; None: all), the schedule's times, last uses and first reads worked out
+    once: each value's points depend on its own size alone, so values placed one at a time
+    get the points they get placed together."""
     by, link = problem.by_name, offload.link_of(problem)
     ops = (*schedule.forward, *schedule.backward)
     inputs = {n: by[n].inputs for n in ops}
-    return offload.place(
-        schedule.forward,
-        schedule.backward,
-        {n: by[n].time_s for n in ops},
-        values,
-        {v: problem.storages_bytes(by[v].storages) for v in values},
-        offload.last_forward_uses(schedule.forward, inputs),
-        offload.first_reads(schedule.backward, inputs),
-        link,
-        copy_ops,
-    )
+    times = {n: by[n].time_s for n in ops}
+    last_uses = offload.last_forward_uses(schedule.forward, inputs)
+    first_reads = offload.first_reads(schedule.backward, inputs)
+
+    def at(values: Sequence[str]) -> tuple[offload.Offload, ...]:
+        return offload.place(
+            schedule.forward,
+            schedule.backward,
+            times,
+            values,
+            {v: problem.storages_bytes(by[v].storages) for v in values},
+            last_uses,
+            first_reads,
+            link,
+            copy_ops,
+        )
+
+    return at
 
 
 def offload_to_fit(
@@ -91,13 +102,14 @@ def offload_to_fit(
     if plan.predicted_peak_bytes <= budget_bytes:
         return plan
     by = problem.by_name
-    chosen: list[str] = []
+    at = placing(problem, plan.schedule, copy_ops)
+    chosen: list[offload.Offload] = []
     host = 0
     for value in offloadable(problem, plan.schedule, copy_ops):
         nbytes = problem.storages_bytes(by[value].storages)
         if host + nbytes > host_budget_bytes:
             continue
-        chosen.append(value)
+        chosen += at([value])
         host += nbytes
         tried = make_plan(
             problem,
@@ -105,7 +117,7 @@ def offload_to_fit(
             solver=plan.solver,
             reason=plan.reason,
             proof=Proof.HEURISTIC,
-            offloads=points(problem, plan.schedule, chosen, copy_ops),
+            offloads=tuple(chosen),
         )
         if tried.predicted_peak_bytes <= budget_bytes:
             return tried
@@ -179,4 +191,4 @@ def search(
     )
 
 
-__all__ = ["LADDER", "offload_to_fit", "offloadable", "points", "search"]
+__all__ = ["LADDER", "Placing", "offload_to_fit", "offloadable", "placing", "search"]

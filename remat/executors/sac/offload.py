@@ -65,15 +65,8 @@ class CountingStore(HostStore):
         nbytes = value.untyped_storage().nbytes()
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return Stored(
-            # nbytes bytes by their count alone: a broadcast view takes no memory.
-            np.broadcast_to(np.uint8(0), (nbytes,)),
-            value.dtype,
-            int(value.storage_offset()),
-            tuple(value.shape),
-            tuple(value.stride()),
-            value.device,
-        )
+        # nbytes bytes by their count alone: a broadcast view takes no memory.
+        return Stored.of(value, np.broadcast_to(np.uint8(0), (nbytes,)))
 
     def fetch(self, stored: Stored) -> torch.Tensor:
         """A new storage of the stored size, viewed in the stored layout: what
