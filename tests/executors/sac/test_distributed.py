@@ -39,17 +39,22 @@ ENGINES = ("ddp", "fsdp2", "fsdp2-bf16", "fsdp2-offload")
 
 
 def _budgets() -> dict[str, int]:
-    """Per engine, half-way between the model's least native peak and its eager peak, one
-    device (DDP and FSDP2 alike: their budget is the single-device step's); under FSDP2's
-    bf16 mixed precision (activations half as large) the same between the peaks traced for
-    one rank of that step; with a host budget, a tenth of the way between those of FSDP2's
-    fp32 step."""
+    """Per engine, half-way between the every-block plan's peak and eager's, one device (DDP
+    and FSDP2 alike: their budget is the single-device step's); under FSDP2's bf16 mixed
+    precision (activations half as large) the same between the peaks traced for one rank of
+    that step; with a host budget, a tenth of the way between those of FSDP2's fp32 step,
+    where the plan offloads block inputs."""
     import copy
 
     import remat
     from remat.measure.meter import measure_step
 
     model, tokens = dist_worker.build()
+
+    def peak(plan: str, options: dict[str, Any]) -> int:
+        applied = remat.apply(copy.deepcopy(model), tokens, plan=plan, **options)
+        return remat.plan_of(applied).predicted_peak_bytes
+
     out = {}
     for engine in ("fsdp2", "fsdp2-bf16", "fsdp2-offload"):
         options: dict[str, Any] = {}
@@ -57,16 +62,12 @@ def _budgets() -> dict[str, int]:
             options = {"zero_stage": 3, "world_size": WORLD}
             if engine == "fsdp2-bf16":
                 options["precision"] = "bf16-fsdp"
-            eager = remat.plan_of(
-                remat.apply(copy.deepcopy(model), tokens, plan="keep_all", **options)  # type: ignore[arg-type]
-            ).predicted_peak_bytes
-        else:
+        if engine == "fsdp2":
             eager = measure_step(copy.deepcopy(model), (tokens,)).peak_bytes
-        with pytest.raises(remat.BudgetError) as info:
-            remat.apply(copy.deepcopy(model), tokens, activation_budget_bytes=1, **options)  # type: ignore[arg-type]
-        least = info.value.least_peak_bytes
-        # fsdp2-offload: a tenth of the way up, where the plan offloads block inputs.
-        out[engine] = least + (eager - least) // (10 if engine == "fsdp2-offload" else 2)
+        else:
+            eager = peak("keep_all", options)
+        block = peak("block", options)
+        out[engine] = block + (eager - block) // (10 if engine == "fsdp2-offload" else 2)
     return {"ddp": out["fsdp2"], **out}
 
 
