@@ -14,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # on it: every comparison (bitwise, predicted == measured) is made within one process,
     # and the one test whose subject depends on the thread count pins it.
     torch.set_num_threads(1)
+    # For the same reason, remat traces in place instead of forking a worker per core (the
+    # automatic count; explicit counts still fork): the plans do not depend on it.
+    os.environ.setdefault("REMAT_WORKERS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -21,10 +21,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTO_MAX", "MIN_WORK_S", "Mapped", "mapped"]
+__all__ = ["AUTO_MAX", "MIN_WORK_S", "WORKERS_ENV", "Mapped", "mapped"]
 
 AUTO_MAX = 8
 """Workers at most when the count is automatic."""
+WORKERS_ENV = "REMAT_WORKERS"
+"""An environment variable capping the automatic count (``1``: never fork), for a machine
+whose cores other processes keep busy (a test runner's workers, other jobs): forked workers
+only contend with them there (the ``sac`` executor's tests, two test workers on 2 cores:
+5:24 with forks, 4:05 without)."""
 MIN_WORK_S = 10.0
 """With the count automatic, the traces run here unless they add up to this much (timed from
 the first): forking and pickling would cost more than they save."""
@@ -35,6 +40,17 @@ _WORK: Callable[..., Any] | None = None
 def _cores() -> int:
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def _auto_count() -> int:
+    """One worker per core, at most :data:`AUTO_MAX` and :data:`WORKERS_ENV` where it is set."""
+    count = min(_cores(), AUTO_MAX)
+    cap = os.environ.get(WORKERS_ENV)
+    if cap is None or not cap.strip():
+        return count
+    if not cap.strip().isdigit() or int(cap) < 1:
+        raise ValueError(f"{WORKERS_ENV} must be a positive integer, got {cap!r}")
+    return min(count, int(cap))
 
 
 def _forkable() -> bool:
@@ -92,9 +108,9 @@ def mapped(
 ) -> Mapped:
     """``work(*unit)`` for each unit, in order. ``workers``: processes (1: this one alone);
     None: the first unit here, then, where the rest would take ``min_work_s`` or more at its
-    pace, one forked process per core (up to :data:`AUTO_MAX`). ``work`` need not be
-    picklable (the workers inherit it); its results must be. ``announce`` is called with the
-    number of processes where there are several.
+    pace, one forked process per core (up to :data:`AUTO_MAX` and :data:`WORKERS_ENV`).
+    ``work`` need not be picklable (the workers inherit it); its results must be.
+    ``announce`` is called with the number of processes where there are several.
 
     Forked workers start on the units before this returns, so the caller can do other work
     while they trace; in this process, each unit runs as the iterator reaches it."""
@@ -107,7 +123,7 @@ def mapped(
         done.append(work(*todo[0]))
         todo = todo[1:]
         enough = (time.perf_counter() - t0) * len(todo) >= min_work_s
-        workers = min(_cores(), AUTO_MAX) if enough else 1
+        workers = _auto_count() if enough else 1
     count = min(workers or 1, len(todo)) if _forkable() else 1
     if count <= 1:
         return Mapped(done, (work(*unit) for unit in todo))

@@ -44,6 +44,7 @@ def test_units_run_in_order_on_workers_only_where_asked_or_worth_it(
     assert [k for k, _ in forked] == list(range(6))
     assert {p for _, p in forked} - {here}  # ran in forked processes
     # The automatic count, decided by the first unit's time on a stand-in clock and 2 cores.
+    monkeypatch.delenv(workers.WORKERS_ENV, raising=False)
     monkeypatch.setattr(workers, "_cores", lambda: 2)
     monkeypatch.setattr(workers, "time", _Clock(workers.MIN_WORK_S / 10))  # 5 more: half
     assert list(workers.mapped(_pid, units, None)) == [(k, here) for k in range(6)]
@@ -53,6 +54,13 @@ def test_units_run_in_order_on_workers_only_where_asked_or_worth_it(
     assert {p for _, p in auto[1:]} - {here}
     with pytest.raises(ValueError, match="positive"):
         list(workers.mapped(_pid, [(0,)], 0))
+    # The environment's cap: 1 keeps the automatic count in this process; a bad value is
+    # named.
+    monkeypatch.setenv(workers.WORKERS_ENV, "1")
+    assert list(workers.mapped(_pid, units, None)) == [(k, here) for k in range(6)]
+    monkeypatch.setenv(workers.WORKERS_ENV, "two")
+    with pytest.raises(ValueError, match="REMAT_WORKERS must be a positive integer, got 'two'"):
+        list(workers.mapped(_pid, units, None))
 
 
 def test_a_fit_traced_on_two_workers_is_the_fit_traced_in_one_process() -> None:
