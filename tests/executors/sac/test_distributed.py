@@ -58,13 +58,12 @@ def _budgets() -> dict[str, int]:
     out = {}
     for engine in ("fsdp2", "fsdp2-bf16", "fsdp2-offload"):
         options: dict[str, Any] = {}
-        if engine != "fsdp2":
-            options = {"zero_stage": 3, "world_size": WORLD}
-            if engine == "fsdp2-bf16":
-                options["precision"] = "bf16-fsdp"
         if engine == "fsdp2":
             eager = measure_step(copy.deepcopy(model), (tokens,)).peak_bytes
         else:
+            options = {"zero_stage": 3, "world_size": WORLD}
+            if engine == "fsdp2-bf16":
+                options["precision"] = "bf16-fsdp"
             eager = peak("keep_all", options)
         block = peak("block", options)
         out[engine] = block + (eager - block) // (10 if engine == "fsdp2-offload" else 2)
