@@ -29,26 +29,30 @@ LADDER = 4
 """Budgets tried above the device budget, evenly up to keep-all's peak."""
 
 
+Placing = Callable[[Sequence[str]], tuple[offload.Offload, ...]]
+"""Values -> their points on one schedule (:func:`placing`)."""
+
+
 def offloadable(
-    problem: Problem, schedule: Schedule, copy_ops: Collection[str] | None = None
+    problem: Problem,
+    schedule: Schedule,
+    copy_ops: Collection[str] | None = None,
+    at: Placing | None = None,
 ) -> list[str]:
     """Saved values the executor can offload exactly (each the only holder of the storages
     it allocates, none shared with another saved value or the caller's outputs; with
     ``copy_ops``, the ops the executor runs, one of them and placeable among them), largest
-    first: the fewest copies free the most."""
+    first: the fewest copies free the most. ``at``: :func:`placing` on this schedule and
+    ``copy_ops``, where the caller has it."""
     by = problem.by_name
     holders = (*schedule.saved, *problem.user_outputs, *problem.mutation_outputs)
     owners = {n: (by[n].storages, by[n].allocates) for n in holders}
     read = {i for n in schedule.backward for i in by[n].inputs}
     out = [n for n in schedule.saved if n in read and offload.unfit(n, holders, owners) is None]
     if copy_ops is not None:
-        at = placing(problem, schedule, copy_ops)
+        at = at or placing(problem, schedule, copy_ops)
         out = [n for n in out if n in copy_ops and _placeable(at, n)]
     return sorted(out, key=lambda n: (-problem.storages_bytes(by[n].storages), problem.index[n]))
-
-
-Placing = Callable[[Sequence[str]], tuple[offload.Offload, ...]]
-"""Values -> their points on one schedule (:func:`placing`)."""
 
 
 def _placeable(at: Placing, value: str) -> bool:
@@ -105,7 +109,7 @@ def offload_to_fit(
     at = placing(problem, plan.schedule, copy_ops)
     chosen: list[offload.Offload] = []
     host = 0
-    for value in offloadable(problem, plan.schedule, copy_ops):
+    for value in offloadable(problem, plan.schedule, copy_ops, at):
         nbytes = problem.storages_bytes(by[value].storages)
         if host + nbytes > host_budget_bytes:
             continue
