@@ -7,7 +7,7 @@ MILP first) and with its chain DP alone, whose uniform plans are costed on shall
 Llama-7B (32 blocks), seq 4096, batch 1, built on FakeTensors; FSDP2 over 8 ranks with its own
 bf16 mixed precision (``precision="bf16-fsdp"``), the ``h100`` profile, AdamW; ``solver="auto"``:
 on the blocks, the exact MILP on the step's dataflow, then the chain DP as its fallback or a
-second opinion where cheap; then, on steps of few enough events, the same on the blocks'
+second opinion on shallow copies; then, on steps of few enough events, the same on the blocks'
 sub-modules.
 ``chain DP alone`` turns the MILP off (``planner._milp`` returns no plan, as for a dataflow
 beyond its model), to time the chain DP, with the copies and without them (``whole``:

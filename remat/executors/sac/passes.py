@@ -236,8 +236,8 @@ def _solve(
     sub-modules in place of the blocks (:func:`remat.executors.sac.regions.split_blocks`): the
     cheaper traced plan that fits wins, on steps of up to :data:`FINER_PASS_EVENTS` events.
     Each pass runs the exact MILP first, and the chain DP as its fallback; the blocks' pass
-    also asks the chain DP (or, where its traces are many, the per-block family) for a
-    second opinion (:func:`planner.solve`). Which passes and solvers run depends on the
+    also asks the chain DP (on a deep stack's shallow copies) or the per-block family for
+    a second opinion (:func:`planner.solve`). Which passes and solvers run depends on the
     model and the budget, never on the clock: the time limit is each solver's counted work
     (:mod:`remat.solver.clock`)."""
     model, blocks, req, stage = on.model, on.blocks, on.req, on.stage

@@ -32,7 +32,7 @@
    (:mod:`remat.solver.spans`) plans on it; its plan is traced too, and re-solved for less
    while the trace is over. ``auto`` returns the cheaper of the two traced plans; with
    ``milp_first`` (``remat.apply``) the MILP runs first and the chain DP is its fallback,
-   or a second opinion where its traces are cheap (:func:`solve`). ``solver=`` picks one of
+   or a second opinion where shallow copies cost its options (:func:`solve`). ``solver=`` picks one of
    remat's solvers alone (:func:`planned`).
 """
 
@@ -54,7 +54,6 @@ from remat.executors.sac.policies import (
     fixed_policies,
     matmul_keys,
     menu,
-    menus_of,
     required_keys,
     torchtitan_op_keys,
     uniform_plans,
@@ -88,13 +87,6 @@ from remat.solver.offload import Offload
 from remat.solver.plan import Plan, Proof, fmt_bytes
 from remat.solver.schedule import Schedule
 from remat.solver.simulate import SecondCopyError, Simulation, TimelineStep
-
-SECOND_OPINION_EVENTS = 16_000
-"""Events the chain DP may trace on the model (options x events of one step) after the
-MILP found a plan (with ``milp_first``): a count, not seconds, so that whether it runs
-depends on the model and never on the machine's load (here about 5 s of traces, the
-torchtitan debug model's 10 options of 1,081 events taking 3.7 s). Where shallow copies
-cost the options, it always runs: its traces on the model are then a few."""
 
 
 def analyze(
@@ -167,8 +159,12 @@ def solve(
     on shallow copies of a deep stack (:mod:`remat.executors.sac.shallow`), where it has one.
 
     ``milp_first``: the exact MILP first; the chain DP is then its fallback, and a second
-    opinion where cheap: where shallow copies cost its options, or where its traces on the
-    model are few and short (:data:`SECOND_OPINION_EVENTS`). Why: on a 7B Llama at 40 GB the
+    opinion where shallow copies cost its options (a deep stack: then it traces a few plans
+    on the model); elsewhere the per-block family, bisected (one to three traces), is. Why
+    not the chain DP on the model itself: it traces every option on it (ten or so traces),
+    which doubled ``remat.apply``'s time on the zoo's 3-4-block models for the same plan at
+    32 of 36 budgets and one 0.2-1.2% cheaper in recompute at the other 4 (six models, six
+    budgets each). Why the MILP first: on a 7B Llama at 40 GB the
     chain DP's traces took 13 s (blocks) and 27 s (sub-modules) to find 7.79 and 6.95 ms of
     recompute, against the MILPs' 5.35 and 1.68 ms found in 6 s each; at 70B the MILP's
     fixed lifetimes gave a plan recomputing every layer (17% of the step) where the chain
@@ -225,20 +221,17 @@ def solve(
             chain, traced = chain_solution(problem, tracer, budget_bytes, config, copies)
         milp = _milp(problem, tracer, budget_bytes, config, headroom_bytes)
         if milp_first:
-            n_opts = menus_of(problem)[2]
-            work = n_opts * len(problem.baseline.events)
             if milp is not None and not second_opinions:
                 why = "no second opinion: the blocks' plan, which had them, stands against it"
                 progress(f"native: {why}")
                 return dataclasses.replace(milp, solver="auto", reason=f"{milp.reason}; {why}")
-            if milp is None or copies is not None or work <= SECOND_OPINION_EVENTS:
+            if milp is None or copies is not None:
                 chain, traced = chain_solution(problem, tracer, budget_bytes, config, copies, milp)
             else:
                 progress(
-                    f"native: the chain DP's {n_opts} traces of "
-                    f"{len(problem.baseline.events):,} events each (more than "
-                    f"{SECOND_OPINION_EVENTS:,} in all): not run; the per-block family "
-                    "instead, by bisection"
+                    "native: the per-block family by bisection as a second opinion (the "
+                    "chain DP traces its options on shallow copies of a deep stack, or as "
+                    "the fallback)"
                 )
                 chain, traced = per_block(problem, tracer, budget_bytes, milp)
                 other = "the per-block family"

@@ -17,6 +17,7 @@ import torch
 
 import remat
 from remat.executors.sac import planner, regions, traced_chain
+from remat.executors.sac.policies import menus_of
 from remat.executors.sac.trace import FakeModel, TraceError
 from remat.measure.meter import measure_step
 from remat.measure.profiles import get_profile
@@ -61,7 +62,7 @@ def test_sac_dispatch_is_counted_from_the_dataflow_as_the_policies_are_called(na
     profile = get_profile("cpu")
     args, kwargs = case.inputs(), case.kwargs or {}
     problem = planner.analyze(fake, args, kwargs, profile=profile, autocast=None)
-    options_of, _, n_opts = planner.menus_of(problem)
+    options_of, _, n_opts = menus_of(problem)
     assert problem.baseline.dispatch_time_s == 0
     sac = problem.dataflow
     candidates = executor.executor_of(sac).candidates(sac)

@@ -20,6 +20,7 @@ from remat.executors.sac import apply as native_api
 from remat.executors.sac import passes, planner, traced_chain
 from remat.executors.sac.events import StepTrace
 from remat.executors.sac.passes import analyze
+from remat.executors.sac.policies import menus_of
 from remat.executors.sac.regions import find_blocks
 from remat.measure.profiles import get_profile
 from remat.models import TinyGPT
@@ -65,7 +66,7 @@ def test_a_stitched_plans_recompute_is_the_sum_of_its_blocks(analyzed: tuple[Any
     summed over a mixed choice, is the mixed plan's traced added time (estimated, not timed):
     a block recomputes its own ops and calls its own policy whatever its neighbours run."""
     problem, tracer, _ = analyzed
-    options_of, _, n_opts = planner.menus_of(problem)
+    options_of, _, n_opts = menus_of(problem)
     table = [
         planner.costs(tracer(traced_chain._policies(options_of, [o] * LAYERS)))
         for o in range(n_opts)
@@ -105,34 +106,28 @@ def test_skipping_choices_costlier_than_a_fitting_plan_leaves_the_answer(
     assert skipped > 0
 
 
-def test_the_milp_first_gives_the_same_plan_and_the_chain_dp_runs_where_cheap(
+def test_the_milp_first_checked_against_the_per_block_family_below_the_copies(
     analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``milp_first`` (``remat.apply``'s passes): where the chain DP's traces are few
-    (:data:`planner.SECOND_OPINION_EVENTS`), the plan is the one of the chain DP first;
-    where they are more, the MILP's plan stands and the progress says why; where the MILP
-    found none, the chain DP's. A count decides, never the clock. Without second opinions
-    (the finer pass), the MILP's plan alone, and the chain DP's where it found none."""
+    """``milp_first`` (``remat.apply``'s passes) on a stack too shallow for shallow copies:
+    the MILP's plan, with the per-block family bisected as its second opinion (the progress
+    says so) and the chain DP not run; without second opinions (the finer pass), the MILP's
+    plan alone; where the MILP found none, the chain DP's either way."""
     problem, tracer, _ = analyzed
     least = tracer(planner.fixed_policies(problem, "block")).peak_bytes
     budget = (least + problem.baseline.peak_bytes) // 2
-    config = SolverConfig(time_limit_s=NO_LIMIT)
-    first = planner.solve(problem, tracer, budget_bytes=budget, config=config)
-    milp_first = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
-    assert milp_first.policies == first.policies
-    assert milp_first.trace.recompute_time_s == first.trace.recompute_time_s  # estimated
     seen: list[str] = []
     config = SolverConfig(time_limit_s=NO_LIMIT, progress=seen.append)
-    monkeypatch.setattr(planner, "SECOND_OPINION_EVENTS", 0)
-    alone = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
-    assert "per-block family" in alone.reason
-    assert any("not run; the per-block family instead" in line for line in seen)
-    assert alone.trace.peak_bytes <= budget
+    first = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+    assert "per-block family" in first.reason and "chain DP" not in first.reason
+    assert any("per-block family by bisection as a second opinion" in line for line in seen)
+    milp = planner._milp(problem, tracer, budget, config)
+    assert milp is not None and first.trace.peak_bytes <= budget
+    assert first.trace.added_time_s <= milp.trace.added_time_s
     lone = planner.solve(
         problem, tracer, budget_bytes=budget, config=config, milp_first=True, second_opinions=False
     )
-    milp = planner._milp(problem, tracer, budget, config)
-    assert milp is not None and lone.policies == milp.policies
+    assert lone.policies == milp.policies
     assert "no second opinion" in lone.reason and "per-block family" not in lone.reason
     monkeypatch.setattr(planner, "_milp", lambda *args: None)
     chain, _ = traced_chain.chain_solution(problem, tracer, budget, config)
@@ -226,17 +221,15 @@ def test_apply_s_passes_do_not_depend_on_the_clock(monkeypatch: pytest.MonkeyPat
     assert any("the blocks' sub-modules are not planned" in line for line in seen)
 
 
-@pytest.mark.parametrize("chain_dp", [True, False], ids=["chain_dp", "milp_and_bisection"])
+@pytest.mark.parametrize("milp_first", [False, True], ids=["chain_dp", "milp_and_bisection"])
 def test_auto_is_never_worse_than_megatron_s_per_block_family(
-    analyzed: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch, chain_dp: bool
+    analyzed: tuple[Any, ...], milp_first: bool
 ) -> None:
-    """At every budget between every block recomputed and none, ``auto`` (the MILP first,
-    as ``remat.apply`` runs it) recomputes no more than the cheapest plan of the per-block
-    family that fits (the first N blocks recomputed whole, the rest eager), whether the
-    chain DP runs or, on a step too long for its traces, the family is bisected."""
+    """At every budget between every block recomputed and none, ``auto`` recomputes no more
+    than the cheapest plan of the per-block family that fits (the first N blocks recomputed
+    whole, the rest eager), whether the chain DP runs first or the MILP does, checked
+    against the family bisected (as ``remat.apply`` runs it below shallow copies)."""
     problem, tracer, _ = analyzed
-    if not chain_dp:
-        monkeypatch.setattr(planner, "SECOND_OPINION_EVENTS", 0)
     every = planner.fixed_policies(problem, "block")
     n = len(problem.blocks)
     family = [tracer(tuple(every[:k]) + (None,) * (n - k)) for k in range(n + 1)]
@@ -246,7 +239,9 @@ def test_auto_is_never_worse_than_megatron_s_per_block_family(
         megatron = min(t.added_time_s for t in family if t.peak_bytes <= budget)
         bisected, _ = traced_chain.per_block(problem, tracer, budget)
         assert bisected is not None and bisected.trace.added_time_s == megatron
-        auto = planner.solve(problem, tracer, budget_bytes=budget, config=config, milp_first=True)
+        auto = planner.solve(
+            problem, tracer, budget_bytes=budget, config=config, milp_first=milp_first
+        )
         assert auto.trace.peak_bytes <= budget
         assert auto.trace.added_time_s <= megatron * (1 + 1e-9), budget
 
