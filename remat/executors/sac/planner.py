@@ -162,9 +162,11 @@ def solve(
     opinion where shallow copies cost its options (a deep stack: then it traces a few plans
     on the model); elsewhere the per-block family, bisected (one to three traces), is. Why
     not the chain DP on the model itself: it traces every option on it (ten or so traces),
-    which doubled ``remat.apply``'s time on the zoo's 3-4-block models for the same plan at
-    32 of 36 budgets and one 0.2-1.2% cheaper in recompute at the other 4 (six models, six
-    budgets each). Why the MILP first: on a 7B Llama at 40 GB the
+    which only a toy model's step affords (the 16,000 events that once allowed it reached
+    3-4-block models alone). On the test zoo's six models it took 1.5x ``remat.apply``'s
+    planning time and found a plan with less added time at 10 of 72 budgets: by 0.2-5.8%,
+    and by 34% on a 3-block ResNet at its least peak (``experiments/second_opinion.py``).
+    Why the MILP first: on a 7B Llama at 40 GB the
     chain DP's traces took 13 s (blocks) and 27 s (sub-modules) to find 7.79 and 6.95 ms of
     recompute, against the MILPs' 5.35 and 1.68 ms found in 6 s each; at 70B the MILP's
     fixed lifetimes gave a plan recomputing every layer (17% of the step) where the chain
