@@ -32,8 +32,8 @@
    (:mod:`remat.solver.spans`) plans on it; its plan is traced too, and re-solved for less
    while the trace is over. ``auto`` returns the cheaper of the two traced plans; with
    ``milp_first`` (``remat.apply``) the MILP runs first and the chain DP is its fallback,
-   or a second opinion where shallow copies cost its options (:func:`solve`). ``solver=`` picks one of
-   remat's solvers alone (:func:`planned`).
+   or a second opinion where shallow copies cost its options (:func:`solve`). ``solver=``
+   picks one of remat's solvers alone (:func:`planned`).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def solve(
 
     ``milp_first``: the exact MILP first; the chain DP is then its fallback, and a second
     opinion where shallow copies cost its options (a deep stack: then it traces a few plans
-    on the model); elsewhere the per-block family, bisected (one to three traces), is. Why
+    on the model); elsewhere the per-block family, bisected in one to three traces. Why
     not the chain DP on the model itself: it traces every option on it (ten or so traces),
     which only a toy model's step affords (the 16,000 events that once allowed it reached
     3-4-block models alone). On the test zoo's six models it took 1.5x ``remat.apply``'s
