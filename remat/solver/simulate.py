@@ -45,6 +45,10 @@ class TimelineStep:
     live_bytes: int
     """Live bytes after this step's frees."""
     recompute: bool = False
+    late_bytes: int = 0
+    """Of both counts, a collective's output the program has let go of and its process
+    group may still hold (``remat.apply``'s trace counts the last one freed until the next
+    is); where the group lets go on time, the step holds that much less here."""
 
 
 @dataclass(frozen=True)

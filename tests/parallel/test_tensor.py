@@ -151,8 +151,9 @@ def test_collectives_are_always_kept() -> None:
 
 def test_each_rank_recomputes_its_shards_flops() -> None:
     """FLOPs of the ops a DTensor runs are this rank's (matmuls and attention split by the
-    tensor-parallel degree), not the whole layer's."""
-    flops = {}
+    tensor-parallel degree), not the whole layer's. And the timeline says where it counts an
+    all-reduced activation the process group may still hold (none without collectives)."""
+    flops, late = {}, {}
     for tp in (1, 2):
         with remat.fake_mode():
             model = llama(3, 128)
@@ -161,7 +162,9 @@ def test_each_rank_recomputes_its_shards_flops() -> None:
         tokens = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(7))
         remat.apply(model, tokens, plan="block")
         flops[tp] = remat.plan_of(model).recompute_flops
+        late[tp] = {s.late_bytes for s in remat.plan_of(model).simulation.timeline}
     assert flops[1] > 0 and flops[2] * 2 == flops[1]
+    assert late[1] == {0} and late[2] == {0, 4 * 128 * 64 * 4}, late  # batch x seq x hidden
 
 
 def test_a_causal_lm_cut_into_stages_computes_the_model() -> None:

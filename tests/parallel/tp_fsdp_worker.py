@@ -25,7 +25,7 @@ import remat
 from remat.parallel.tensor import tensor_parallel
 from tests.executors.sac import gloo_settle
 from tests.executors.sac.dist_worker import _train  # the same 3 AdamW steps, measured
-from tests.parallel.tp_worker import build, parallelize
+from tests.parallel.tp_worker import build, on_time, parallelize
 
 OPTIONS: dict[str, Any] = {"zero_stage": 3, "world_size": 2}  # FSDP2 over the "dp" dimension
 
@@ -83,6 +83,7 @@ def main(rank: int, world: int, out: str) -> None:
                 "least": least,
                 "predicted": plan.predicted_peak_bytes,
                 "predicted_tensors": plan.predicted_tensor_peak_bytes,
+                "on_time": on_time(plan),
                 "solver": plan.solver,
             },
             Path(out) / f"tp_fsdp_{rank}.pt",

@@ -117,6 +117,20 @@ def _measured(model: nn.Module, tokens: torch.Tensor) -> dict[str, int]:
     return out
 
 
+def on_time(plan: remat.Plan) -> tuple[int, int]:
+    """The step's peaks (allocator, live storages) where the process group lets go of each
+    collective's output as Python does: the prediction less, at each moment, the one it
+    counts late (:attr:`remat.executors.sac.events.OpEvent.late_bytes`). The timeline must
+    hold the predicted peaks (it does not for a pipeline stage, planned over its schedule)."""
+    steps = plan.simulation.timeline
+    assert max(s.allocated_bytes for s in steps) == plan.predicted_peak_bytes
+    assert max(s.live_bytes for s in steps) == plan.predicted_tensor_peak_bytes
+    return (
+        max(s.allocated_bytes - s.late_bytes for s in steps),
+        max(s.live_bytes - s.late_bytes for s in steps),
+    )
+
+
 def main(rank: int, world: int, out: str, sequence_parallel: bool = False) -> None:
     gloo_settle.settle_functional_waits()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -147,6 +161,7 @@ def main(rank: int, world: int, out: str, sequence_parallel: bool = False) -> No
                 "least": least,
                 "predicted": plan.predicted_peak_bytes,
                 "predicted_tensors": plan.predicted_tensor_peak_bytes,
+                "on_time": on_time(plan),
                 "solver": plan.solver,
             },
             Path(out) / f"tp_{rank}.pt",

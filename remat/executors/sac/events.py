@@ -54,6 +54,11 @@ class OpEvent:
     tensor_bytes: int = 0
     """Live tensor storages right after its outputs were allocated (what a live-storage
     meter sees)."""
+    late_bytes: int = 0
+    """Of ``tensor_bytes`` (and ``allocated_bytes``), a collective's output Python has let go
+    of and the process group may still hold: counted until the next one is freed
+    (:meth:`remat.executors.sac.recorder.Recorder._free`), so that a peak is never predicted
+    low; where the group lets go on time, the step holds that much less here."""
     scratch_bytes: int = 0
     """What its kernel allocated and freed inside itself (:mod:`remat.measure.scratch`)."""
     moved_bytes: int = 0

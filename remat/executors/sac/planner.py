@@ -402,7 +402,7 @@ def to_plan(problem: NativeProblem, solution: Solution) -> Plan:
                 decisions[name] = "recomputed in the backward (PREFER_RECOMPUTE)"
     names = [_event_name(problem, e) for e in trace.events]
     timeline = tuple(
-        TimelineStep(e.phase, name, e.allocated_bytes, e.tensor_bytes, e.recompute)
+        TimelineStep(e.phase, name, e.allocated_bytes, e.tensor_bytes, e.recompute, e.late_bytes)
         for e, name in zip(trace.events, names, strict=True)
     )
     fwd = [k for k, e in enumerate(trace.events) if e.phase == "forward"]

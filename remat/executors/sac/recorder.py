@@ -238,6 +238,7 @@ class Recorder(LiveMemoryMeter):
                 "holds": tuple(holds),
                 "creates": tuple(creates),
                 "tensor_bytes": self.live_bytes,
+                "late_bytes": self.released_late,
                 "allocated_bytes": self.live_bytes + self.unseen_bytes + scratch,
             }
         )
