@@ -101,13 +101,16 @@ class MemoryFormula:
     @property
     def expr(self) -> Any:
         """The device peak as a sympy expression: a ``Piecewise`` over the ranges of a
-        ``Max`` over the candidate moments, plus the static bytes."""
+        ``Max`` over the candidate moments, plus the static bytes. The ``Max`` is left
+        unevaluated: no candidate is below another over its range (the fit dropped those),
+        and sympy's pairwise comparisons of 14 quadratics took seconds to find that."""
         import sympy
 
         b, s = sympy.symbols("b s", integer=True, positive=True)
         pieces = []
         for r in self.ranges:
-            peak = sympy.Max(*(p.to_sympy() for _, p in r.candidates))
+            moments = [p.to_sympy() for _, p in r.candidates]
+            peak = sympy.Max(*moments, evaluate=False) if len(moments) > 1 else moments[0]
             cond = sympy.Eq(b, r.b_min) if r.b_max == r.b_min else b >= r.b_min
             pieces.append((self.static.total + peak, cond))
         return sympy.Piecewise(*pieces)
