@@ -196,6 +196,7 @@ def test_compare_sweeps_every_solver_to_csv(
         if not r["error"]:
             assert int(r["total_bytes"]) <= int(r["budget_bytes"])
             assert r["proof"] in {p.value for p in Proof}
+            assert r["added_pct"] == r["recompute_pct"]  # no dispatch, no copies, here
     # Never beaten: every other solver's plan is a start of the exact MILP (and of auto).
     for budget in {r["budget_bytes"] for r in rows}:
         fits = {r["solver"]: float(r["recompute_pct"]) for r in rows

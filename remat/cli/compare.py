@@ -116,9 +116,7 @@ def _rows(
             t0 = time.perf_counter()
             try:
                 with console.status(f"{gb_text(total)}: {name}..."):
-                    peak, recompute_pct, bound_pct, proof = side.solve(
-                        name, d.step_budget_bytes, config
-                    )
+                    solved = side.solve(name, d.step_budget_bytes, config)
             except (BudgetError, ValueError, RuntimeError) as e:
                 rows.append({"budget_bytes": total, "solver": name, "error": str(e)[:200]})
                 continue
@@ -126,11 +124,12 @@ def _rows(
                 {
                     "budget_bytes": total,
                     "solver": name,
-                    "step_peak_bytes": peak,
-                    "total_bytes": d.total_for(peak),
-                    "recompute_pct": recompute_pct,
-                    "bound_pct": bound_pct,
-                    "proof": proof.value,
+                    "step_peak_bytes": solved.step_peak_bytes,
+                    "total_bytes": d.total_for(solved.step_peak_bytes),
+                    "recompute_pct": solved.recompute_pct,
+                    "added_pct": solved.added_pct,
+                    "bound_pct": solved.bound_pct,
+                    "proof": solved.proof.value,
                     "solve_s": time.perf_counter() - t0,
                     "error": "",
                 }
@@ -142,7 +141,7 @@ def _write(rows: list[dict[str, object]], args: argparse.Namespace, console: Con
     """``--csv``: the rows; ``--plot``: each solver's overhead against its step peak."""
     if args.csv:
         fields = ["budget_bytes", "solver", "step_peak_bytes", "total_bytes", "recompute_pct",
-                  "bound_pct", "proof", "solve_s", "error"]  # fmt: skip
+                  "added_pct", "bound_pct", "proof", "solve_s", "error"]  # fmt: skip
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
@@ -171,13 +170,13 @@ def _compare_table(rows: list[dict[str, object]], title: str) -> Table:
             if isinstance(f, float):
                 floors[r["budget_bytes"]] = max(f, floors.get(r["budget_bytes"], 0.0))
     table = Table(title=title)
-    for col in ("budget", "solver", "step peak", "total", "recompute %", "floor %", "proof",
-                "solve s"):  # fmt: skip
+    for col in ("budget", "solver", "step peak", "total", "recompute %", "added %", "floor %",
+                "proof", "solve s"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("solver", "proof") else "right")
     for r in rows:
         budget_text = gb_text(float(r["budget_bytes"]))  # type: ignore[arg-type]
         if r["error"]:
-            table.add_row(budget_text, str(r["solver"]), "[dim]does not fit", "", "", "", "", "")
+            table.add_row(budget_text, str(r["solver"]), "[dim]does not fit", *[""] * 6)
             continue
         bound, pct = r["bound_pct"], float(r["recompute_pct"])  # type: ignore[arg-type]
         floor = floors.get(r["budget_bytes"])
@@ -193,6 +192,7 @@ def _compare_table(rows: list[dict[str, object]], title: str) -> Table:
             gb_text(float(r["step_peak_bytes"])),  # type: ignore[arg-type]
             gb_text(float(r["total_bytes"])),  # type: ignore[arg-type]
             f"{pct:.2f}",
+            f"{float(r['added_pct']):.2f}",  # type: ignore[arg-type]
             "-" if bound is None else f"{bound:.2f}",
             proof,
             f"{r['solve_s']:.1f}",

@@ -82,10 +82,12 @@ class _GraphComparison(Comparison):
 
     def solve(self, name: str, budget: int, config: SolverConfig) -> Solved:
         plan = solve(self.problem, solver=name, budget_bytes=budget, config=config)
-        step = plan.simulation.step_time_s
+        sim = plan.simulation
+        step = sim.step_time_s
         bound = None if plan.lower_bound_s is None else 100 * plan.lower_bound_s / step
-        pct = 100 * plan.simulation.recompute_time_s / step
-        return plan.predicted_peak_bytes, pct, bound, proven(plan)
+        pct = 100 * sim.recompute_time_s / step
+        added = 100 * sim.added_time_s / step
+        return Solved(plan.predicted_peak_bytes, pct, added, bound, proven(plan))
 
 
 class _SacComparison(Comparison):
@@ -132,7 +134,10 @@ class _SacComparison(Comparison):
         trace = solution.trace
         step = sum(e.time_s for e in trace.events)
         pct = 100 * trace.recompute_time_s / step if step else 0.0
-        return trace.peak_bytes, pct, None, Proof.OPTIMAL if pct == 0 else solution.proof
+        added = 100 * trace.added_time_s / step if step else 0.0
+        return Solved(
+            trace.peak_bytes, pct, added, None, Proof.OPTIMAL if pct == 0 else solution.proof
+        )
 
 
 class GraphExecutor(Executor):

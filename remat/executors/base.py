@@ -22,9 +22,21 @@ from remat.request import Request
 from remat.solver.config import SolverConfig
 from remat.solver.plan import Plan, Proof
 
-Solved = tuple[int, float, "float | None", Proof]
-"""A compared plan: step peak bytes, recompute % of the step, its proven floor in % (or
-None), its proof."""
+
+@dataclass(frozen=True)
+class Solved:
+    """A compared plan's figures (``remat compare``'s row)."""
+
+    step_peak_bytes: int
+    recompute_pct: float
+    """Recomputation, in % of the step's op time."""
+    added_pct: float
+    """All the plan adds to the step, in % of its op time: recomputation, and on the sac
+    executor selective checkpointing's own dispatch, by which its solvers rank plans (so a
+    plan that recomputes more can add less)."""
+    bound_pct: float | None
+    """The proven floor on the recomputation, in %, where a solver proved one."""
+    proof: Proof
 
 
 @dataclass(frozen=True)

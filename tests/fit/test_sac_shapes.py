@@ -219,6 +219,8 @@ def _check_cli_fit_and_compare(
     assert any(r["solver"] == "auto" for r in fitting)
     for r in fitting:
         assert int(r["total_bytes"]) <= int(r["budget_bytes"]), r
+        # What a sac plan adds is its recomputation and SAC's dispatch, which auto weighs.
+        assert float(r["added_pct"]) > float(r["recompute_pct"]), r
     assert any(r["solver"] == "plan:keep_all" and r["error"] for r in rows)  # least budget
 
 
