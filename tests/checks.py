@@ -47,9 +47,10 @@ def gloo_late(
     Collectives whose outputs differ in size (sequence parallelism's all-gathers and
     reduce-scatters): ``buffer`` lists the sizes, any of which can be the counted one or
     the uncounted ones. ``on_time``: the step's peak with every counted output let go as
-    Python lets go (``tests/parallel/tp_worker.py``'s :func:`on_time`), for anything from
-    it to the predicted peak below those: where the counted output is gone at the predicted
-    peak, the measured peak can fall at another moment, by less than that output."""
+    Python lets go (``tests/parallel/tp_worker.py``'s :func:`on_time`); the measured peak,
+    less the uncounted ones, may then be anything from it to the predicted peak: where the
+    counted output is gone at the predicted peak, the step's peak can fall at another
+    moment, lower by less than that output."""
     sizes = (buffer,) if isinstance(buffer, int) else tuple(buffer)
     held = {sum(c) for k in range(more + 1) for c in combinations_with_replacement(sizes, k)}
     if on_time is not None:
