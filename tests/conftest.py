@@ -32,7 +32,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     And the youngest generation is collected every 20,000 allocations net, not 700: traces
     and solves make millions of short-lived objects, and each collection that promotes
     them makes the next full one longer (4.4 s of collection in 52 s of ``test_apply.py``'s
-    and the zoo's ``auto`` sweeps on hf_llama with Python's thresholds, 2.5 s so)."""
+    and the zoo's ``auto`` sweeps on hf_llama with Python's thresholds, 2.1 s so)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, *gc.get_threshold()[1:])
