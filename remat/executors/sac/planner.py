@@ -166,12 +166,12 @@ def solve(
     3-4-block models alone). On the test zoo's six models it took 1.5x ``remat.apply``'s
     planning time and found a plan with less added time at 10 of 72 budgets: by 0.2-5.8%,
     and by 34% on a 3-block ResNet at its least peak (``experiments/second_opinion.py``).
-    Why the MILP first: on a 7B Llama at 40 GB the
-    chain DP's traces took 13 s (blocks) and 27 s (sub-modules) to find 7.79 and 6.95 ms of
-    recompute, against the MILPs' 5.35 and 1.68 ms found in 6 s each; at 70B the MILP's
-    fixed lifetimes gave a plan recomputing every layer (17% of the step) where the chain
-    DP's fit the budget's room (``traced_chain._per_block_contenders``). Which solvers run depends on
-    the model, never on the clock.
+    Why the MILP first: on a 7B Llama at 40 GB the chain DP's traces took 13 s (blocks) and
+    27 s (sub-modules) to find 7.79 and 6.95 ms of recompute, against the MILPs' 5.35 and
+    1.68 ms found in 6 s each; at 70B the MILP's fixed lifetimes gave a plan recomputing
+    every layer (17% of the step) where the chain DP's fit the budget's room
+    (``traced_chain._per_block_contenders``). Which solvers run depends on the model, never
+    on the clock.
 
     ``second_opinions``: False where a plan that the chain DP or the per-block family
     already checked stands (the blocks' plan, when ``auto`` plans again on their
